@@ -1,0 +1,20 @@
+"""fastt: automatic device placement, scheduling and op splitting for training PyTorch models (FastT)."""
+
+from .api import capture, lower_bound, plan, simulate
+from .cluster import Cluster, cluster
+from .errors import FasttError
+from .graph import Op, OpGraph
+from .strategy import Strategy
+
+__all__ = [
+           "Cluster",
+           "FasttError",
+           "Op",
+           "OpGraph",
+           "Strategy",
+           "capture",
+           "cluster",
+           "lower_bound",
+           "plan",
+           "simulate",
+]

@@ -1,0 +1,88 @@
+"""The Python interface users see: capture, cluster, plan, simulate."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .capture import capture_step
+from .cluster import Cluster, cluster
+from .coarsen import to_opgraph
+from .cost import MeasuredCosts, op_times
+from .graph import OpGraph, chain_lengths
+from .plan import get_planner, graph_for
+from .simulate import Timeline
+from .simulate import simulate as _simulate
+from .strategy import Strategy
+
+
+def capture(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+            example_inputs: Sequence[torch.Tensor], name: str = "step") -> OpGraph:
+    """One whole training step (forward, backward, optimizer update) as an OpGraph.
+
+    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example input
+    is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
+    """
+    example_inputs = tuple(example_inputs)
+
+    @functools.lru_cache(maxsize=8)
+    def recapture(batch: int) -> OpGraph:
+        sliced = tuple(x[:batch] for x in example_inputs)
+        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced), name)
+        return _with_recapture(g, recapture)
+
+    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs), name)
+    return _with_recapture(g, recapture)
+
+
+def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:
+    object.__setattr__(g, "recapture", fn)
+    return g
+
+
+def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "dp") -> Strategy:
+    """A strategy for `graph` on the cluster from the named planner (see fastt.plan.PLANNERS)."""
+    return get_planner(planner)(graph, cluster(cluster_spec))
+
+
+def lower_bound(graph: OpGraph, times: np.ndarray, n_devices: int) -> float:
+    """A lower bound on the iteration time of any strategy fastt can produce for `graph`.
+
+    LB = max(W / D, C): W = Σ_ops min_d t[op, d], D = number of devices, C = the longest chain of ops whose work
+    does not depend on the batch (optimizer updates and parameter-only ops), each at its fastest device.
+
+    Proof sketch. Every op, or every part of it after data-parallel replication, runs on some device; under the
+    roofline model the parts of an op never cost less in total than the whole (each part pays the launch overhead,
+    FLOPs add up, and each part reads at least its share of the bytes), so the devices together are busy at least
+    W, and one of the D devices at least W/D. Ops that do not depend on the batch are never divided (replication
+    copies them whole), and a chain of dependent ops runs one after another, so the iteration lasts at least C.
+    Transfers only add time. With measured costs the sub-additivity is not guaranteed, and the bound is an
+    estimate.
+    """
+    fastest = times.min(axis=1) if times.size else np.zeros(len(graph.ops))
+    work = float(fastest.sum()) / max(n_devices, 1)
+    whole = [float(fastest[i]) if (not op.batch and op.kind in ("compute", "update")) else 0.0
+             for i, op in enumerate(graph.ops)]
+    chain = max(chain_lengths(graph, whole), default=0.0)
+    return max(work, chain)
+
+
+def simulate(graph: OpGraph, strategy: Strategy, cluster_spec: str | Cluster,
+             measured: MeasuredCosts | None = None) -> Timeline:
+    """Simulate `strategy` on the cluster: iteration time, memory per device, critical path, lower bound."""
+    cl = cluster(cluster_spec)
+    g = graph_for(graph, strategy)
+    times = op_times(g, cl, measured)
+    lb = lower_bound(graph, op_times(graph, cl, measured), len(cl.devices))
+    return _simulate(g, strategy, cl, times, lower_bound_s=lb)
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """fn(*args, **kwargs) and the seconds it took."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,399 @@
+"""Cluster: the devices a plan runs on and the links between them.
+
+A transfer from device i to device j occupies every link on `routes[i, j]` for its whole duration
+(`latency` of each link + bytes / the slowest bandwidth on the route); a link carries one transfer at a time,
+which is how contention is modelled.
+
+`cluster(spec)` builds one from a spec: `cpu:N` (N CPU worker devices on this machine), `cuda` / `cuda:0,1`
+(local GPUs), `NxGPU[-nvlink|-pcie]` (a simulated node of data-sheet GPUs, e.g. `4xV100`, `8xA100-pcie`),
+`MxNxGPU[-link]` (M such nodes joined by one NIC each), or a JSON file (`Cluster.save` writes one).
+Device `kind` names the cost profile a device uses: "cpu" and "cuda" are devices fastt can run on and measure;
+a preset's name (e.g. "V100") marks a simulated GPU costed from its data sheet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fastt.errors import FasttError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One compute device. `flops` is peak FP32 FLOP/s, `mem_bandwidth` bytes/s of its memory."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    flops: float
+    mem_bandwidth: float
+    node: int = 0
+    op_overhead_s: float = 0.0  # fixed cost of launching one op (kernel launch, dispatch)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A channel that carries one transfer at a time. `bandwidth` in bytes/s, `latency` in seconds."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, links, and for every ordered pair of distinct devices the links a transfer uses."""
+
+    name: str
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    routes: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def route(self, src: int, dst: int) -> tuple[int, ...]:
+        """Indices of the links a transfer from src to dst occupies (empty when src == dst)."""
+        return () if src == dst else self.routes[src, dst]
+
+    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Seconds to move nbytes from device src to device dst over an idle route."""
+        if src == dst:
+            return 0.0
+        links = [self.links[k] for k in self.routes[src, dst]]
+        return sum(lk.latency for lk in links) + nbytes / min(lk.bandwidth for lk in links)
+
+    def max_transfer_time(self, nbytes: float) -> float:
+        """The slowest transfer of nbytes between any two devices (0 with one device)."""
+        return max((self.transfer_time(i, j, nbytes) for i, j in self.routes), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON file form of this cluster (what `cluster(path)` reads back into an equal Cluster)."""
+        links: list[dict[str, Any]] = [
+            {"name": lk.name, "bandwidth": lk.bandwidth, "latency": lk.latency, "pairs": []} for lk in self.links
+        ]
+        multi: dict[str, list[str]] = {}
+        for (src, dst), route in self.routes.items():
+            if len(route) == 1:
+                links[route[0]]["pairs"].append([src, dst])
+            else:
+                multi[f"{src},{dst}"] = [self.links[k].name for k in route]
+        out: dict[str, Any] = {"name": self.name, "devices": [asdict(d) for d in self.devices], "links": links}
+        if multi:
+            out["routes"] = multi
+        return out
+
+    def to_json(self) -> str:
+        """The JSON file form of this cluster as text (see `to_dict`)."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON file form of this cluster to path."""
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def with_links(cluster: Cluster, links: Sequence[Link]) -> Cluster:
+    """A copy of cluster with its links replaced one for one (e.g. refit by regression); routes are kept."""
+    links = tuple(links)
+    if len(links) != len(cluster.links):
+        raise FasttError(f"with_links: cluster {cluster.name!r} has {len(cluster.links)} links, got {len(links)}")
+    return replace(cluster, links=links)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spec parsing
+
+SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100), "
+              "MxNxGPU[-link], or a JSON file path")
+
+
+def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
+    """The Cluster a spec names: cpu:N, cuda[:i,j], NxGPU[-link], MxNxGPU[-link], or a JSON file (see module doc)."""
+    if isinstance(spec, Cluster):
+        return spec
+    if isinstance(spec, os.PathLike):
+        return from_json_file(spec)
+    if not isinstance(spec, str):
+        raise FasttError(f"bad cluster spec {spec!r}: expected {SPEC_FORMS}")
+    s = spec.strip().lower()
+    if m := re.fullmatch(r"cpu(?::(\d+))?", s):
+        return cpu_cluster(int(m[1] or 1))
+    if m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", s):
+        return cuda_cluster(None if m[1] is None else [int(i) for i in m[1].split(",")])
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x([a-z0-9-]+?)(?:-(nvlink|pcie))?", s)
+    if m and m[3] in GPU_PRESETS:
+        return gpu_cluster(m[3], int(m[2]), nodes=int(m[1] or 1), link=m[4] or "nvlink")
+    if s.endswith(".json") or os.path.exists(spec):
+        return from_json_file(spec)
+    raise FasttError(f"bad cluster spec {spec!r}: expected {SPEC_FORMS}")
+
+
+def _check_count(n: int, what: str) -> None:
+    """Raise FasttError unless a spec's count n is at least one."""
+    if n < 1:
+        raise FasttError(f"cluster spec needs at least one {what}, got {n}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local CPU worker devices
+
+CPU_FLOPS_PER_CORE = 32 * 2.5e9  # AVX2 FP32: 2 FMA units x 8 lanes x 2 FLOP per cycle at ~2.5 GHz
+CPU_MEM_BW_PER_CORE = 10e9  # bytes/s one core's share of DRAM bandwidth can stream
+CPU_COPY_BANDWIDTH = 5e9  # bytes/s a memory copy between worker threads sustains
+CPU_COPY_LATENCY = 5e-6  # seconds to hand a tensor to another worker thread
+CPU_OP_OVERHEAD = 10e-6  # seconds of Python/ATen dispatch per op
+
+
+def cpu_threads(n_devices: int) -> int:
+    """Threads each of n_devices CPU worker devices gets: this process's cores shared out, at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, n_devices))
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 8 * 2**30  # no sysconf (Windows): assume 8 GiB
+
+
+def cpu_cluster(n: int) -> Cluster:
+    """n CPU worker devices on this machine (kind "cpu"), each with cpu_threads(n) cores and 1/n of the RAM.
+
+    The FLOP/s and bandwidth here are nominal (AVX2 peak per core share); fastt.cost calibrates them by
+    measurement, and the copy links are refit by regression on measured copies (see `with_links`).
+    """
+    _check_count(n, "CPU device")
+    threads = cpu_threads(n)
+    dev = [Device(f"cpu:{i}", "cpu", _physical_memory() // n, threads * CPU_FLOPS_PER_CORE,
+                  threads * CPU_MEM_BW_PER_CORE, 0, CPU_OP_OVERHEAD) for i in range(n)]
+    links: list[Link] = []
+    routes: dict[tuple[int, int], tuple[int, ...]] = {}
+    for i, j in itertools.permutations(range(n), 2):
+        routes[i, j] = (len(links),)
+        links.append(Link(f"copy:{i}->{j}", CPU_COPY_BANDWIDTH, CPU_COPY_LATENCY))
+    return Cluster(f"cpu:{n}", tuple(dev), tuple(links), routes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU presets. Memory is in GiB (2**30 bytes): the HBM stacks are binary-sized, and what torch reports as
+# total_memory is a little under it. Bandwidths are bytes/s per direction.
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """One GPU model's data-sheet numbers and the interconnects of the systems it ships in."""
+
+    name: str
+    flops: float  # peak FP32 FLOP/s without tensor cores (PyTorch leaves TF32 matmul off by default)
+    mem_bandwidth: float  # HBM bytes/s
+    memory_bytes: int
+    nvlink: float  # per-direction NVLink bytes/s: per GPU pair (no switch) or per GPU (NVSwitch)
+    nvswitch: bool  # True: GPUs reach each other through an NVSwitch (route = egress_i, ingress_j)
+    pcie: float  # usable per-direction PCIe bytes/s (about 3/4 of the raw x16 rate)
+    nic: float  # per-node NIC bytes/s per direction
+
+
+GiB = 2**30
+# NVIDIA Tesla V100 GPU Accelerator data sheet (2018), SXM2: 15.7 TFLOP/s FP32, 900 GB/s HBM2, 16/32 GB.
+# NVLink2 as in "NVIDIA DGX-1 With Tesla V100 System Architecture" white paper (2017): 25 GB/s per direction per
+# link; the hybrid cube-mesh is approximated as one dedicated link per GPU pair. PCIe Gen3 x16 15.75 GB/s raw,
+# ~12 GB/s usable. NIC: 100 Gb/s EDR InfiniBand (DGX-1).
+_V100 = GpuPreset("V100", 15.7e12, 900e9, 16 * GiB, 25e9, False, 12e9, 12.5e9)
+# NVIDIA A100 Tensor Core GPU data sheet (2021), SXM: 19.5 TFLOP/s FP32, 40GB HBM2 1,555 GB/s,
+# 80GB HBM2e 2,039 GB/s, NVLink3 600 GB/s (300 per direction) via NVSwitch, PCIe Gen4 x16 31.5 GB/s raw
+# (~24 usable). NIC: 200 Gb/s HDR InfiniBand (DGX A100).
+_A100 = GpuPreset("A100", 19.5e12, 1555e9, 40 * GiB, 300e9, True, 24e9, 25e9)
+# NVIDIA H100 Tensor Core GPU data sheet (2023), SXM: 67 TFLOP/s FP32, 80GB HBM3 3.35 TB/s, NVLink4 900 GB/s
+# (450 per direction) via NVSwitch, PCIe Gen5 x16 63 GB/s raw (~50 usable). NIC: 400 Gb/s NDR InfiniBand (DGX H100).
+_H100 = GpuPreset("H100", 67e12, 3.35e12, 80 * GiB, 450e9, True, 50e9, 50e9)
+GPU_PRESETS: dict[str, GpuPreset] = {
+    "v100": _V100, "v100-16gb": _V100,
+    "v100-32gb": replace(_V100, name="V100-32GB", memory_bytes=32 * GiB),
+    "a100": _A100, "a100-40gb": _A100,
+    "a100-80gb": replace(_A100, name="A100-80GB", mem_bandwidth=2039e9, memory_bytes=80 * GiB),
+    "h100": _H100, "h100-80gb": _H100,
+}
+# Unknown GPUs (cuda specs only): a conservative guess, below every preset; fastt.cost measures real ops anyway.
+_UNKNOWN_GPU = GpuPreset("GPU", 10e12, 500e9, 8 * GiB, 25e9, False, 12e9, 12.5e9)
+NVLINK_LATENCY = 5e-6  # per route; split over the two hops of an NVSwitch route
+PCIE_LATENCY = 1e-5  # per route; split over the up- and down-link
+NIC_LATENCY = 3e-6  # per inter-node route; split over the sending and receiving NIC
+GPU_OP_OVERHEAD = 5e-6  # kernel launch
+
+
+def _node_links(p: GpuPreset, gpus: Sequence[int], link: str, tag: str, links: list[Link],
+                routes: dict[tuple[int, int], tuple[int, ...]]) -> None:
+    """Append the links within one node of GPUs (global device indices gpus) and their routes."""
+    def add(name: str, bandwidth: float, latency: float) -> int:
+        links.append(Link(f"{tag}{name}", bandwidth, latency))
+        return len(links) - 1
+
+    if link == "nvlink" and not p.nvswitch:  # point-to-point: a dedicated link per ordered pair
+        for i, j in itertools.permutations(gpus, 2):
+            routes[i, j] = (add(f"nvlink:{i}->{j}", p.nvlink, NVLINK_LATENCY),)
+        return
+    bw, lat, out_name, in_name = ((p.nvlink, NVLINK_LATENCY, "nvlink-out", "nvlink-in") if link == "nvlink"
+                                  else (p.pcie, PCIE_LATENCY, "pcie-up", "pcie-down"))
+    outs = {i: add(f"{out_name}:{i}", bw, lat / 2) for i in gpus}
+    ins = {i: add(f"{in_name}:{i}", bw, lat / 2) for i in gpus}
+    for i, j in itertools.permutations(gpus, 2):
+        routes[i, j] = (outs[i], ins[j])
+
+
+def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink") -> Cluster:
+    """A simulated cluster of `nodes` nodes with n `gpu` preset GPUs each (kind = the preset's name).
+
+    Within a node GPUs talk over NVLink (V100: a link per ordered pair; A100/H100: NVSwitch, route = the
+    sender's egress link then the receiver's ingress link) or over PCIe (route = sender's up-link then
+    receiver's down-link to the host switch). Between nodes the route is (NIC out of the sending node, NIC in
+    of the receiving node); the PCIe hop to the NIC is left out because it is faster than the NIC and is
+    assumed not to be the bottleneck.
+    """
+    p = GPU_PRESETS.get(gpu.lower())
+    if p is None or link not in ("nvlink", "pcie"):
+        raise FasttError(f"bad cluster spec '{nodes}x{n}x{gpu}-{link}': expected {SPEC_FORMS}")
+    _check_count(n, "GPU per node")
+    _check_count(nodes, "node")
+    multi = nodes > 1
+    devices = tuple(Device(f"{p.name}:{k}.{i}" if multi else f"{p.name}:{i}", p.name, p.memory_bytes, p.flops,
+                           p.mem_bandwidth, k, GPU_OP_OVERHEAD) for k in range(nodes) for i in range(n))
+    links: list[Link] = []
+    routes: dict[tuple[int, int], tuple[int, ...]] = {}
+    for k in range(nodes):
+        _node_links(p, range(k * n, (k + 1) * n), link, f"n{k}/" if multi else "", links, routes)
+    if multi:
+        nic_out = [len(links) + k for k in range(nodes)]
+        links += [Link(f"n{k}/nic-out", p.nic, NIC_LATENCY / 2) for k in range(nodes)]
+        nic_in = [len(links) + k for k in range(nodes)]
+        links += [Link(f"n{k}/nic-in", p.nic, NIC_LATENCY / 2) for k in range(nodes)]
+        for i, j in itertools.permutations(range(len(devices)), 2):
+            if i // n != j // n:
+                routes[i, j] = (nic_out[i // n], nic_in[j // n])
+    name = f"{nodes}x{n}x{p.name}-{link}" if multi else f"{n}x{p.name}-{link}"
+    return Cluster(name, devices, tuple(links), routes)
+
+
+def preset_for(name: str, total_memory: int) -> GpuPreset | None:
+    """The preset matching a CUDA device name (as torch reports it) and memory size, or None if unknown.
+
+    PCIe cards of the same chip (e.g. "V100-PCIE") are matched to the SXM preset; fastt.cost measures them.
+    """
+    up = name.upper()
+    if "H100" in up:
+        return GPU_PRESETS["h100"]
+    if "A100" in up:
+        return GPU_PRESETS["a100-80gb" if total_memory > 60 * GiB else "a100"]
+    if "V100" in up:
+        return GPU_PRESETS["v100-32gb" if total_memory > 24 * GiB else "v100"]
+    return None
+
+
+def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
+    """The local CUDA GPUs (all, or those in ids) as a Cluster of kind "cuda" devices."""
+    import torch  # local: importing fastt.cluster stays cheap
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise FasttError("no CUDA device visible; use cpu:N or a simulated cluster such as 4xV100")
+    count = torch.cuda.device_count()
+    ids = list(range(count)) if ids is None else list(ids)
+    if any(not 0 <= i < count for i in ids) or len(set(ids)) != len(ids):
+        raise FasttError(f"bad CUDA device ids {ids}: {count} visible (0..{count - 1}), each at most once")
+    props = [torch.cuda.get_device_properties(i) for i in ids]
+    presets = [preset_for(pr.name, pr.total_memory) or _UNKNOWN_GPU for pr in props]
+    devices = tuple(Device(f"cuda:{i}", "cuda", int(pr.total_memory), p.flops, p.mem_bandwidth, 0, GPU_OP_OVERHEAD)
+                    for i, pr, p in zip(ids, props, presets))
+    peer = all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(ids, 2))
+    slowest = min(presets, key=lambda p: (p.nvlink, p.pcie))
+    links: list[Link] = []
+    routes: dict[tuple[int, int], tuple[int, ...]] = {}
+    _node_links(slowest, range(len(ids)), "nvlink" if peer else "pcie", "", links, routes)
+    return Cluster("cuda:" + ",".join(map(str, ids)), devices, tuple(links), routes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON file form
+
+
+def from_json_file(path: str | os.PathLike[str]) -> Cluster:
+    """The Cluster a JSON file describes (the form `Cluster.save` writes; see `from_dict`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FasttError(f"cluster file {str(path)!r} not found; expected {SPEC_FORMS}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise FasttError(f"cluster file {str(path)!r} is not readable JSON: {e}") from None
+    return from_dict(data, where=str(path))
+
+
+def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
+    """A Cluster from its JSON form: {"name", "devices": [...], "links": [{..., "pairs"}], "routes"?}.
+
+    Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?}. Each
+    link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
+    the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
+    pair of distinct devices must get exactly one route.
+    """
+    def fail(msg: str) -> FasttError:
+        return FasttError(f"{where}: {msg}")
+
+    try:
+        devices = tuple(Device(str(d["name"]), str(d["kind"]), int(d["memory_bytes"]), float(d["flops"]),
+                               float(d["mem_bandwidth"]), int(d.get("node", 0)), float(d.get("op_overhead_s", 0.0)))
+                        for d in data["devices"])
+        links = tuple(Link(str(lk["name"]), float(lk["bandwidth"]), float(lk["latency"])) for lk in data["links"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise fail(f"bad or missing field {e}; see fastt.cluster.from_dict for the format") from None
+    if not devices:
+        raise fail("no devices")
+    if any(d.flops <= 0 or d.mem_bandwidth <= 0 or d.memory_bytes <= 0 for d in devices):
+        raise fail("every device needs positive memory_bytes, flops and mem_bandwidth")
+    if any(lk.bandwidth <= 0 or lk.latency < 0 for lk in links):
+        raise fail("every link needs a positive bandwidth and a non-negative latency")
+    dev_index = {d.name: i for i, d in enumerate(devices)}
+    link_index = {lk.name: k for k, lk in enumerate(links)}
+    if len(dev_index) != len(devices) or len(link_index) != len(links):
+        raise fail("device names and link names must be unique")
+
+    def dev(ref: Any) -> int:
+        if isinstance(ref, str) and ref.strip() in dev_index:
+            return dev_index[ref.strip()]
+        try:
+            i = int(ref)
+        except (TypeError, ValueError):
+            raise fail(f"unknown device {ref!r}") from None
+        if not 0 <= i < len(devices):
+            raise fail(f"device index {i} out of range 0..{len(devices) - 1}")
+        return i
+
+    routes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def add(src: Any, dst: Any, route: tuple[int, ...]) -> None:
+        key = dev(src), dev(dst)
+        if key[0] == key[1] or key in routes:
+            raise fail(f"route {key} is from a device to itself or given twice")
+        routes[key] = route
+
+    for k, lk in enumerate(data["links"]):
+        for pair in lk.get("pairs", ()):
+            if len(pair) != 2:
+                raise fail(f"link {links[k].name!r}: a pair is [src, dst], got {pair!r}")
+            add(pair[0], pair[1], (k,))
+    for key, names in dict(data.get("routes", {})).items():
+        if str(key).count(",") != 1 or not names or any(n not in link_index for n in names):
+            raise fail(f"route {key!r}: expected \"src,dst\": [known link names], got {names!r}")
+        add(*str(key).split(","), tuple(link_index[n] for n in names))
+    missing = [p for p in itertools.permutations(range(len(devices)), 2) if p not in routes]
+    if missing:
+        raise fail(f"no route for device pairs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return Cluster(str(data.get("name", where)), devices, links, routes)

@@ -1,0 +1,200 @@
+"""From a captured Step (fx graph of aten ops) to the OpGraph the planners see.
+
+Three groupings make ops worth placing:
+- alias ops (views, reshapes, transposes, getitem, detach) join the op that produced their input: they move no
+  data, so a planner gains nothing by placing them apart;
+- every op of the optimizer update of one parameter (those needed neither by the loss nor by any gradient)
+  becomes one UPDATE op, as TensorFlow's ApplyAdam is one op;
+- an op that writes a buffer in place (batch-norm running stats, `copy_` into a buffer) records the buffer in
+  `updates`, so holders of the buffer are known to the strategy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch.fx import Node
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+from .capture import Step
+from .graph import BUFFER, COMPUTE, INPUT, PARAM, STATE, UPDATE, Op, OpGraph
+
+aten = torch.ops.aten
+
+# Ops that only alias their input: no data moves, no kernel worth timing.
+ALIAS = {
+    operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+    aten.transpose.int, aten.permute.default, aten.expand.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.detach.default, aten.slice.Tensor,
+    aten.select.int, aten.as_strided.default, aten.view_as_real.default, aten.unfold.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+}
+
+# Ops that write some arguments in place (positions), beyond what their schema declares.
+MUTATES = {
+    aten.copy_.default: (0,),
+    aten.native_batch_norm.default: (3, 4),
+    aten._native_batch_norm_legit.default: (3, 4),
+}
+
+# FLOP formulas torch's flop counter lacks: the CPU flash-attention kernels count as attention does.
+EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+}
+
+_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT}
+
+
+def nbytes(val: object) -> int:
+    """Bytes held by a node's value (a tensor, or a tuple/list of them)."""
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(nbytes(v) for v in val)
+    return 0
+
+
+def _arg_nodes(node: Node) -> list[Node]:
+    return [a for a in node.all_input_nodes if a.op != "get_attr"]
+
+
+def _flops(node: Node) -> float:
+    fn = flop_registry.get(getattr(node.target, "overloadpacket", None)) or EXTRA_FLOPS.get(
+        getattr(node.target, "overloadpacket", None))
+    if fn is None:
+        return 0.0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+
+
+def _shape_key(node: Node) -> str:
+    def desc(v: object) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{tuple(v.shape)}{str(v.dtype)[6:]}"
+        return repr(v) if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+    args = torch.fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
+    flat = args if isinstance(args, (tuple, list)) else (args,)
+    return f"{node.target}({','.join(desc(a) if not isinstance(a, (list, tuple)) else str(a) for a in flat)})"
+
+
+def _needed(roots: Iterable[Node]) -> set[Node]:
+    """Nodes the roots depend on, roots included."""
+    seen: set[Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _assign_groups(step: Step) -> tuple[dict[Node, str], dict[str, str], dict[str, set[str]]]:
+    """Map every fx node to the name of its OpGraph op; also each op's kind and the residents it updates."""
+    nodes = list(step.gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out_node = nodes[-1]
+    outs = list(out_node.args[0])
+    group: dict[Node, str] = {}
+    kind: dict[str, str] = {}
+    updates: dict[str, set[str]] = {}
+    for n, (role, name) in zip(placeholders, step.roles):
+        group[n] = f"{role}:{name}"
+        kind[group[n]] = _ROLE_KIND[role]
+    loss, grads = outs[0], outs[1:1 + len(step.param_names)]
+    fwd_bwd = _needed([loss, *grads, *(n for n in nodes if n.target in MUTATES)])
+    # Optimizer nodes: assigned to the update of the parameter whose outputs they feed (reverse order).
+    for n, (role, name) in zip(outs[1 + len(step.param_names):], step.outputs[1 + len(step.param_names):]):
+        owner = f"update:{name.split(':')[0]}"
+        group.setdefault(n, owner)
+        kind[owner] = UPDATE
+        updates.setdefault(owner, set()).add(f"{role}:{name}")
+    for n in reversed(nodes):
+        if n.op == "call_function" and n not in fwd_bwd and n not in group:
+            owners = sorted(group[u] for u in n.users if u in group and kind.get(group[u]) == UPDATE)
+            if owners:
+                group[n] = owners[0]
+    for n in nodes:
+        if n.op != "call_function" or n in group:
+            continue
+        ins = _arg_nodes(n)
+        if n.target in ALIAS and len(ins) == 1:
+            group[n] = group[ins[0]]
+        elif n.target is aten.copy_.default and ins and ins[0].op == "placeholder":
+            group[n] = group[n.args[1]] if isinstance(n.args[1], Node) else n.name
+        else:
+            group[n] = n.name
+        kind.setdefault(group[n], COMPUTE)
+        for pos in MUTATES.get(n.target, ()):
+            a = n.args[pos] if pos < len(n.args) else None
+            if isinstance(a, Node) and a.op == "placeholder":
+                updates.setdefault(group[n], set()).add(group[a])
+    return group, kind, updates
+
+
+def to_opgraph(step: Step, name: str = "step") -> OpGraph:
+    """Coarsen a captured step into an OpGraph (alias ops and per-parameter updates grouped)."""
+    group, kind, updates = _assign_groups(step)
+    members: dict[str, list[Node]] = {}
+    for n in step.gm.graph.nodes:
+        if n in group:
+            members.setdefault(group[n], []).append(n)
+    index: dict[str, int] = {}
+    ops: list[Op] = []
+    for gname, nodes in _topo_groups(members, group):
+        k = kind[gname]
+        reads: dict[str, dict[Node, int]] = {}
+        flops, io, shapes = 0.0, 0, []
+        out_bytes = 0
+        for n in nodes:
+            for a in _arg_nodes(n):
+                if group[a] != gname:
+                    reads.setdefault(group[a], {})[a] = nbytes(a.meta.get("val"))
+            if n.op == "placeholder" or n.target not in ALIAS and n.target is not aten.copy_.default:
+                out_bytes += nbytes(n.meta.get("val"))
+            if n.op == "call_function" and n.target not in ALIAS:
+                flops += _flops(n)
+                io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in _arg_nodes(n))
+                shapes.append(_shape_key(n))
+        if k == UPDATE:
+            out_bytes = 0  # written in place into the parameter and its state
+        inputs = tuple(index[g] for g in reads)
+        batch = k not in (UPDATE,) and (k == INPUT or any(ops[j].batch for j in inputs))
+        updated = tuple(sorted(index[u] for u in updates.get(gname, ())))
+        sig = hashlib.sha1("|".join(shapes).encode()).hexdigest()[:16] if shapes else ""
+        head = next((n for n in nodes if n.op == "call_function" and n.target not in ALIAS), nodes[0])
+        target = "update" if k == UPDATE else str(head.target) if head.op == "call_function" else "placeholder"
+        index[gname] = len(ops)
+        ops.append(Op(name=gname, kind=k, target=target, inputs=inputs,
+                      in_bytes=tuple(sum(r.values()) for r in reads.values()), out_bytes=out_bytes,
+                      flops=flops, io_bytes=io, nodes=tuple(n.name for n in nodes), updates=updated,
+                      batch=batch, signature=sig))
+    return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
+                   fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
+
+
+def _topo_groups(members: dict[str, list[Node]], group: dict[Node, str]) -> list[tuple[str, list[Node]]]:
+    """Groups in an order where every group comes after the groups it reads (Kahn's algorithm)."""
+    deps = {g: {group[a] for n in ns for a in _arg_nodes(n)} - {g} for g, ns in members.items()}
+    users: dict[str, list[str]] = {g: [] for g in members}
+    for g, ds in deps.items():
+        for d in ds:
+            users[d].append(g)
+    pending = {g: len(ds) for g, ds in deps.items()}
+    ready = [g for g in members if pending[g] == 0]
+    out = []
+    while ready:
+        g = ready.pop(0)
+        out.append((g, members[g]))
+        for u in users[g]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+    if len(out) != len(members):
+        stuck = sorted(g for g, c in pending.items() if c > 0)[:5]
+        raise RuntimeError(f"grouping made a cycle among {stuck}")
+    return out

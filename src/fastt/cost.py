@@ -1,0 +1,175 @@
+"""Costs: how long each op takes on each device, and what a transfer costs on each link.
+
+Two sources, as FastT has: *roofline* estimates from an op's FLOPs (torch.utils.flop_counter) and bytes moved
+against a device's peak FLOP/s and memory bandwidth (for named GPUs that are not here), and *measured* times from
+running the real step on a real device, each op timed inside whole runs of the step (timing ops in isolation
+underestimates them: caches are warm and nothing competes). Transfers are `latency + bytes / bandwidth` per link,
+fitted by least squares on measured copies.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .cluster import Cluster, Device, Link
+from .errors import FasttError
+from .graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph
+
+
+def roofline_time(op: Op, dev: Device) -> float:
+    """Seconds for op on dev: launch overhead + the slower of its compute and its memory traffic at peak."""
+    if op.kind in RESIDENT or op.kind in (INPUT, ALLREDUCE):
+        return 0.0
+    return dev.op_overhead_s + max(op.flops / dev.flops, op.io_bytes / dev.mem_bandwidth)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Median measured seconds per op signature, for one device kind (e.g. "cpu" with 1 thread)."""
+
+    kind: str
+    threads: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"format": "fastt.costs", "version": 1, "kind": self.kind,
+                                          "threads": self.threads, "seconds": self.seconds}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredCosts:
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(kind=d["kind"], threads=int(d["threads"]), seconds={k: float(v) for k, v in d["seconds"].items()})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FasttError(f"cannot read cost file {path}: {e}; measure again") from e
+
+
+def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> np.ndarray:
+    """times[i, d]: seconds op i takes on device d.
+
+    Measured times are used for devices of the measured kind; an op never measured (another shape) falls back
+    to the roofline estimate for that device.
+    """
+    t = np.zeros((len(graph.ops), len(cluster.devices)))
+    for d, dev in enumerate(cluster.devices):
+        table = measured.seconds if measured is not None and measured.kind == dev.kind else {}
+        for i, op in enumerate(graph.ops):
+            t[i, d] = table[op.signature] if op.signature in table else roofline_time(op, dev)
+    return t
+
+
+class _TimingInterpreter(torch.fx.Interpreter):
+    """Runs the step and records each node's wall time (kernels run synchronously on CPU)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.elapsed: dict[str, float] = {}
+
+    def run_node(self, n: torch.fx.Node):
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        self.elapsed[n.name] = time.perf_counter() - t0
+        return out
+
+
+def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads: int = 1, runs: int = 5,
+            progress: bool = True) -> MeasuredCosts:
+    """Time every op of `graph` on this CPU with `threads` threads: median over `runs` whole-step runs.
+
+    `real_inputs` are the step's graph inputs with real tensors (params, buffers, states, *batch); they are
+    cloned, so the caller's model and optimizer are not changed.
+    """
+    step = graph.fx
+    if step is None:
+        raise FasttError("this graph was not captured from a model: nothing to measure")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    samples: dict[str, list[float]] = {}
+    try:
+        for r in tqdm(range(runs + 1), desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
+            args = torch.utils._pytree.tree_map(
+                lambda x: x.clone() if isinstance(x, torch.Tensor) else x, list(real_inputs))
+            interp = _TimingInterpreter(step.gm)
+            with torch.no_grad():
+                interp.run(*args)
+            if r == 0:
+                continue  # warm-up: allocator and lazy init
+            for op in graph.ops:
+                if op.signature:
+                    samples.setdefault(op.signature, []).append(sum(interp.elapsed.get(n, 0.0) for n in op.nodes))
+    finally:
+        torch.set_num_threads(old)
+    return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.median(v) for s, v in samples.items()})
+
+
+def fit_transfers(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b)."""
+    a_mat = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(a_mat, np.asarray(seconds, dtype=float), rcond=None)
+    if b <= 0:
+        raise FasttError("transfer times did not grow with size: measure with larger sizes")
+    return max(float(a), 0.0), 1.0 / float(b)
+
+
+def measure_copies(sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 5,
+                   threads: int = 1) -> tuple[list[int], list[float]]:
+    """Median seconds to copy buffers of each size between two CPU worker devices (a memcpy here)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for n in sizes:
+            src = torch.empty(n // 4, dtype=torch.float32).uniform_()
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                ts.append(time.perf_counter() - t0)
+            times.append(statistics.median(ts))
+    finally:
+        torch.set_num_threads(old)
+    return list(sizes), times
+
+
+def calibrate_cpu(cluster: Cluster) -> Cluster:
+    """The cluster with its CPU devices' speeds and copy links measured on this machine.
+
+    FLOP/s from a 1024² matmul, memory bandwidth and link `latency + bytes/bandwidth` from copies fitted by least
+    squares, op overhead from a tiny op, each with the device's share of the cores.
+    """
+    n = len(cluster.devices)
+    threads = max(1, torch.get_num_threads() // n)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(1024, 1024)
+        a @ a
+        t = min(_timed(lambda: a @ a) for _ in range(3))
+        flops = 2 * 1024**3 / t
+        tiny = torch.ones(4)
+        overhead = statistics.median(_timed(lambda: tiny + 1) for _ in range(50))
+    finally:
+        torch.set_num_threads(old)
+    sizes, secs = measure_copies(threads=threads)
+    latency, bandwidth = fit_transfers(sizes, secs)
+    devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead)
+                    if d.kind == "cpu" else d for d in cluster.devices)
+    links = tuple(Link(lk.name, bandwidth, latency) for lk in cluster.links)
+    return replace(cluster, devices=devices, links=links)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

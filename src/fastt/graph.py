@@ -1,0 +1,175 @@
+"""OpGraph: the DAG of one training step that planners, the cost model and the simulator see.
+
+An `Op` is one schedulable unit: a compute op (an aten op with the cheap view-like ops grouped into it), a
+resident tensor (parameter, optimizer state, buffer), an input of the batch, an optimizer `update` of one
+parameter, or an `allreduce` that aggregates a gradient across replicas. Ops are stored in topological order
+and refer to their producers by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from .errors import FasttError
+
+# Op kinds. RESIDENT kinds live on their holder devices across iterations; the rest are produced in the step.
+INPUT, PARAM, STATE, BUFFER, COMPUTE, UPDATE, ALLREDUCE = (
+    "input", "param", "state", "buffer", "compute", "update", "allreduce")
+RESIDENT = frozenset({PARAM, STATE, BUFFER})
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node of the OpGraph.
+
+    `inputs[k]` is the index of a producer and `in_bytes[k]` the bytes this op reads from it (an edge's
+    transfer size). `out_bytes` is what the op allocates for its results: 0 for an op whose results are written
+    in place into resident tensors (`updates` lists those, by index), as an optimizer step does.
+    `batch` is True when the op's work depends on the input batch (data parallelism divides it).
+    """
+
+    name: str
+    kind: str
+    target: str
+    inputs: tuple[int, ...] = ()
+    in_bytes: tuple[int, ...] = ()
+    out_bytes: int = 0
+    flops: float = 0.0
+    io_bytes: int = 0
+    nodes: tuple[str, ...] = ()
+    updates: tuple[int, ...] = ()
+    batch: bool = False
+    signature: str = ""
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A DAG of Ops in topological order, for a step at a given batch size.
+
+    `recapture(batch)` returns the same step captured at another batch size (data parallelism needs the step at
+    batch/N); it is None for graphs built by hand. `fx` is the captured torch.fx GraphModule, if any.
+    """
+
+    ops: tuple[Op, ...]
+    name: str = "graph"
+    batch: int = 1
+    fx: object | None = field(default=None, compare=False, repr=False)
+    recapture: Callable[[int], OpGraph] | None = field(default=None, compare=False, repr=False)
+    replicas: int = 1
+    fx_nodes: int = 0  # aten nodes captured before grouping (0 for graphs built by hand)
+
+    def __post_init__(self) -> None:
+        for i, op in enumerate(self.ops):
+            if len(op.inputs) != len(op.in_bytes):
+                raise ValueError(f"op {op.name}: inputs and in_bytes differ in length")
+            for j in op.inputs:
+                if not 0 <= j < i:
+                    raise ValueError(f"op {op.name} reads op #{j}: ops must be in topological order")
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Op name -> position."""
+        idx = {op.name: i for i, op in enumerate(self.ops)}
+        if len(idx) != len(self.ops):
+            raise ValueError("op names must be unique")
+        return idx
+
+    @cached_property
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the indices of the ops that read it (each once)."""
+        out: list[list[int]] = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            for j in dict.fromkeys(op.inputs):
+                out[j].append(i)
+        return tuple(tuple(s) for s in out)
+
+    @cached_property
+    def residents(self) -> tuple[int, ...]:
+        """Indices of the resident ops (parameters, optimizer state, buffers)."""
+        return tuple(i for i, op in enumerate(self.ops) if op.kind in RESIDENT)
+
+    def of_kind(self, *kinds: str) -> list[int]:
+        return [i for i, op in enumerate(self.ops) if op.kind in kinds]
+
+    def resident_bytes(self) -> int:
+        return sum(self.ops[i].out_bytes for i in self.residents)
+
+    def summary(self) -> dict[str, int | float]:
+        kinds: dict[str, int] = {}
+        for op in self.ops:
+            kinds[op.kind] = kinds.get(op.kind, 0) + 1
+        return {"ops": len(self.ops), "edges": sum(len(op.inputs) for op in self.ops),
+                "flops": sum(op.flops for op in self.ops), "resident_bytes": self.resident_bytes(), **kinds}
+
+
+def build(ops: Iterable[Op], **kw) -> OpGraph:
+    """An OpGraph from ops already in topological order (a convenience for tests and passes)."""
+    return OpGraph(ops=tuple(ops), **kw)
+
+
+def chain_lengths(graph: OpGraph, weight: Sequence[float]) -> list[float]:
+    """Longest weighted path ending at each op (weights on ops, edges free)."""
+    best = [0.0] * len(graph.ops)
+    for i, op in enumerate(graph.ops):
+        best[i] = weight[i] + max((best[j] for j in op.inputs), default=0.0)
+    return best
+
+
+def rebatch(graph: OpGraph, batch: int) -> OpGraph:
+    """The same step captured at another batch size."""
+    if batch == graph.batch:
+        return graph
+    if graph.recapture is None:
+        raise FasttError(f"graph '{graph.name}' was built by hand: it cannot be captured at batch {batch}")
+    return graph.recapture(batch)
+
+
+def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
+    """The step at batch/n replicated n times (`graph` itself when n == 1)."""
+    if graph.batch % n:
+        raise FasttError(f"batch {graph.batch} of '{graph.name}' does not split into {n} equal replicas: "
+                         f"use a batch divisible by {n}")
+    return replicate(rebatch(graph, graph.batch // n), n)
+
+
+def replicate(sub: OpGraph, n: int) -> OpGraph:
+    """The data-parallel graph: `sub` (the step at batch/n) once per replica, gradients aggregated.
+
+    Resident ops stay single (a strategy gives them several holders); every other op is copied per replica as
+    `r{k}/name`. Each gradient an optimizer update reads becomes one ALLREDUCE over the replicas' copies, and each
+    replica's update reads the aggregate, so every holder applies the same update to its own copy.
+    """
+    if n == 1:
+        return sub
+    ops: list[Op] = []
+    where: dict[tuple[int, int], int] = {}  # (op in sub, replica) -> index in the new graph
+    reduced: dict[tuple[int, int], int] = {}  # (gradient op, update op) in sub -> its allreduce
+
+    def emit(op: Op) -> int:
+        ops.append(op)
+        return len(ops) - 1
+
+    for i, op in enumerate(sub.ops):
+        if op.kind in RESIDENT:
+            idx = emit(op)
+            for k in range(n):
+                where[i, k] = idx
+            continue
+        if op.kind == UPDATE:
+            # One allreduce per (gradient producer, update): a producer may feed several gradients.
+            for j, nbytes in zip(op.inputs, op.in_bytes):
+                if sub.ops[j].kind not in RESIDENT:
+                    g = sub.ops[j]
+                    reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE, target="allreduce",
+                                         inputs=tuple(where[j, k] for k in range(n)),
+                                         in_bytes=(nbytes,) * n, out_bytes=nbytes, io_bytes=2 * nbytes))
+        for k in range(n):
+            inputs = tuple(reduced.get((j, i), where[j, k]) for j in op.inputs)
+            updates = tuple(where[u, k] for u in op.updates)
+            where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates))
+    return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n)
