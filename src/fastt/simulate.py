@@ -21,7 +21,10 @@ so the loop only touches lists, and `_memory` replays allocations afterwards wit
 
 from __future__ import annotations
 
+import gc
 import heapq
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from fastt.cluster import Cluster
 from fastt.errors import FasttError
-from fastt.graph import ALLREDUCE, INPUT, OpGraph
+from fastt.graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph
 from fastt.strategy import Strategy
 
 
@@ -117,8 +120,16 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
     t = np.asarray(times, dtype=float)
     if t.shape != (n, nd):
         raise FasttError(f"times has shape {t.shape}, expected (ops, devices) = ({n}, {nd})")
+    with _gc_paused():
+        return _simulate(g, strategy, cluster, t, lower_bound_s)
+
+
+def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, lower_bound_s: float) -> Timeline:
+    """The simulation proper, on checked inputs: prepare, run the event loop, then account memory and load."""
+    nd = len(cluster.devices)
     plan = _prepare(g, strategy, cluster)
-    start, end, crit, transfers, collectives = _run(g, plan, t.tolist())
+    dur = t[np.arange(len(g.ops)), np.maximum(np.array(plan.dev, dtype=np.int64), 0)].tolist()
+    start, end, crit, transfers, collectives = _run(g, plan, dur)
     start_a, end_a = np.array(start), np.array(end)
     dev = np.array(plan.dev, dtype=np.int64)
     base = [0] * nd
@@ -144,8 +155,12 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
         memory_trace=trace, planner=strategy.planner)
 
 
-def _run(g: OpGraph, p: _Plan, T: list[list[float]]) -> tuple:
-    """The event loop: returns per-op start, end, critical predecessor, and the transfer/collective records."""
+def _run(g: OpGraph, p: _Plan, dur: list[float]) -> tuple:
+    """The event loop: returns per-op start, end, critical predecessor, and the transfer/collective records.
+
+    `dur[i]` is op i's seconds on its device. Ops start eagerly: once an op's inputs are all there and the op
+    before it on the device has a known end, its start is known, and only its end event goes on the heap.
+    """
     n = len(g.ops)
     start, end, ready, why, crit = [0.0] * n, [0.0] * n, [0.0] * n, [-1] * n, [-1] * n
     need, ar_need, order, dev, fanout, ar_cons = p.need[:], dict(p.ar_need), p.order, p.dev, p.fanout, p.ar_cons
@@ -167,7 +182,7 @@ def _run(g: OpGraph, p: _Plan, T: list[list[float]]) -> tuple:
                 s, crit[i] = b, prev
             else:
                 s, crit[i] = r, why[i]
-            b = s + T[i][d]
+            b = s + dur[i]
             start[i], end[i], prev = s, b, i
             push(heap, (b, 0, i, -1, None))
             k += 1
@@ -210,7 +225,7 @@ def _run(g: OpGraph, p: _Plan, T: list[list[float]]) -> tuple:
         for lk in links:
             link_free[lk] = e
         start[a], end[a], crit[a] = s, e, why[a]
-        collectives.append(Collective(a, p.group[a], g.ops[a].out_bytes, s, e, links))
+        collectives.append(Collective(a, p.group[a], _allreduce_bytes(g.ops[a]), s, e, links))
         push(heap, (e, 0, a, -1, None))
 
     for d in range(len(order)):
@@ -224,6 +239,18 @@ def _run(g: OpGraph, p: _Plan, T: list[list[float]]) -> tuple:
             finish(j, t)
     _check_finished(g, p, at, ar_need)
     return start, end, crit, tuple(transfers), tuple(collectives)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC: the loop allocates many small tuples, and each collection walks the whole graph."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _check_finished(g: OpGraph, p: _Plan, at: list[int], ar_need: dict[int, int]) -> None:
@@ -241,48 +268,20 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster) -> _Plan:
     for name, d in strategy.placement.items():
         dev[index[name]] = d
     holders = {index[name]: tuple(sorted(set(hs))) for name, hs in strategy.holders.items()}
-    routes, lat, bw = _route_tables(cluster)
+    held: list[tuple[int, ...]] = [()] * len(ops)
+    for r, hs in holders.items():
+        held[r] = hs
     group = {a: tuple(sorted({dev[j] for j in ops[a].inputs})) for a in g.of_kind(ALLREDUCE)}
     for a, grp in group.items():
         if not grp:
             raise FasttError(f"allreduce '{ops[a].name}' has no inputs")
-    need = [0] * len(ops)
-    ar_cons: list[list[int]] = [[] for _ in ops]
-    ar_need: dict[int, int] = {}
-    held: list[tuple[int, ...]] = [()] * len(ops)
-    for r, hs in holders.items():
-        held[r] = hs
-    edges: dict[int, list] = {}  # copy key j*nd+d -> [consumers on d, bytes]
-    rkeys: list[int] = []
-    rops: list[int] = []
-    for i, op in enumerate(ops):
-        ins = op.inputs
-        pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
-        if op.kind == ALLREDUCE:
-            ar_need[i] = len(set(ins))
-            for j, _ in pairs:
-                ar_cons[j].append(i)
-                rkeys.append(j * nd + dev[j])
-                rops.append(i)
-            continue
-        d = dev[i]
-        for j, b in pairs:
-            if d in held[j]:
-                continue  # a resident already on this device
-            need[i] += 1
-            key = j * nd + d
-            rkeys.append(key)
-            rops.append(i)
-            e = edges.get(key)
-            if e is None:
-                edges[key] = [[i], b]
-            else:
-                e[0].append(i)
-                e[1] = max(e[1], b)
+        held[a] = grp
+    routes, lat, bw = _route_tables(cluster)
+    need, ar_cons, ar_need, edges, readers = _consumers(g, dev, held, nd)
     fanout: list[list[tuple]] = [[] for _ in ops]
     for key, (cons, b) in edges.items():
         j, d = divmod(key, nd)
-        have = held[j] or group.get(j) or (dev[j],)
+        have = held[j] or (dev[j],)
         if d in have:
             src = d
         elif len(have) == 1:
@@ -295,9 +294,48 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster) -> _Plan:
             f.sort(key=lambda x: x[0])  # transfers of one op are requested in device order
     seeds = [(0.0, 0, r, -1, None) for r in sorted(holders) if fanout[r]]
     order = [[index[name] for name in names] + [-1] for names in strategy.order]
-    ring = {a: _ring(cluster, grp, ops[a].out_bytes) for a, grp in group.items()}
-    return _Plan(dev, order, need, fanout, ar_cons, ar_need, group, ring, routes, lat, bw, (rkeys, rops),
-                 seeds, holders)
+    ring = {a: _ring(cluster, grp, _allreduce_bytes(ops[a])) for a, grp in group.items()}
+    return _Plan(dev, order, need, fanout, ar_cons, ar_need, group, ring, routes, lat, bw, readers, seeds, holders)
+
+
+def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int) -> tuple:
+    """Who waits for what: inputs per placed op, inputs per allreduce, and consumers per (op, device) copy.
+
+    `held[j]` lists the devices that have op j without a transfer (a resident's holders, an allreduce's ring);
+    a placed op reading a resident it holds does not wait. Returns need, ar_cons, ar_need, edges (copy key
+    j*nd+d -> [consumers on d, largest bytes read]) and the memory readers (copy keys, reader ops).
+    """
+    need = [0] * len(g.ops)
+    ar_cons: list[list[int]] = [[] for _ in g.ops]
+    ar_need: dict[int, int] = {}
+    edges: dict[int, list] = {}
+    rkeys: list[int] = []
+    rops: list[int] = []
+    for i, op in enumerate(g.ops):
+        ins = op.inputs
+        pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
+        if op.kind == ALLREDUCE:
+            ar_need[i] = len(set(ins))
+            for j, _ in pairs:
+                ar_cons[j].append(i)
+                rkeys.append(j * nd + dev[j])
+                rops.append(i)
+            continue
+        d = dev[i]
+        for j, b in pairs:
+            if d in held[j] and g.ops[j].kind in RESIDENT:
+                continue  # a resident already on this device
+            key = j * nd + d
+            rkeys.append(key)
+            rops.append(i)
+            need[i] += 1
+            e = edges.get(key)
+            if e is None:
+                edges[key] = [[i], b]
+            else:
+                e[0].append(i)
+                e[1] = max(e[1], b)
+    return need, ar_cons, ar_need, edges, (rkeys, rops)
 
 
 def _dedup(inputs: tuple[int, ...], in_bytes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -325,6 +363,11 @@ def _route_tables(cluster: Cluster) -> tuple[list, list, list]:
             lat[s][d] = sum(lk.latency for lk in links)  # same sum as Cluster.transfer_time, bit for bit
             bw[s][d] = min(lk.bandwidth for lk in links)
     return routes, lat, bw
+
+
+def _allreduce_bytes(op: Op) -> int:
+    """Bytes an allreduce aggregates: its output, or the largest input if the output is written in place."""
+    return max(op.out_bytes, *op.in_bytes, 0)
 
 
 def _ring(cluster: Cluster, group: tuple[int, ...], nbytes: int) -> tuple[tuple[int, ...], float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,7 @@ class Strategy:
         return pos
 
     def _in_range(self, d: object, what: str) -> None:
-        if not _is_int(d) or not 0 <= d < self.n_devices:  # type: ignore[operator]
+        if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d < self.n_devices):
             raise FasttError(f"{what} is device {d!r}, out of range for {self.n_devices} devices")
 
 
@@ -213,7 +214,7 @@ def _check_acyclic(g: OpGraph, dev: list[int], pos: list[int], order: tuple[tupl
     prv = [-1] * len(ops)
     for names in order:
         idx = [index[n] for n in names]
-        for a, b in zip(idx, idx[1:]):
+        for a, b in pairwise(idx):
             nxt[a], prv[b] = b, a
     live = [op.kind not in RESIDENT for op in ops]
     preds = [[j for j in dict.fromkeys(op.inputs) if live[j]] for op in ops]
@@ -244,7 +245,7 @@ def _cycle_message(g: OpGraph, dev: list[int], preds: list[list[int]], prv: list
     cycle = path[seen[i]:][::-1]  # walked backwards along predecessors; report it forwards
     cycle.append(cycle[0])
     steps = []
-    for a, b in zip(cycle, cycle[1:]):
+    for a, b in pairwise(cycle):
         how = f"order on device {dev[a]}" if a == prv[b] else "data"
         steps.append(f"'{g.ops[a].name}' -({how})-> ")
     return ("the per-device orders contradict the dependencies, so the devices would wait on each other forever: "

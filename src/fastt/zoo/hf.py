@@ -25,17 +25,29 @@ MASK_FRACTION = 0.15  # BERT's masked-LM fraction; the other positions are label
 class LogitsOnly(nn.Module):
     """Wraps a Hugging Face LM: ``forward(input_ids)`` returns the logits tensor ``(batch, length, vocab)``.
 
-    An all-ones attention mask is passed explicitly: without one, transformers inspects the token values for
-    padding (a data-dependent check that symbolic tracing cannot do).
+    BERT gets no attention mask (every position is a real token), so transformers builds none; given a padding
+    mask it would check its values (``mask.all()``), a data-dependent branch that symbolic tracing cannot take.
+    GPT-2 gets an all-ones mask: without one, transformers inspects ``position_ids`` for packed sequences (also
+    data-dependent). ``pad_token_id`` is None, so no padding check on the token values runs either. For BERT
+    (``bert=True``) position and token type ids are passed explicitly, so its real ``position_ids`` and
+    ``token_type_ids`` buffers are never read (a fake-mode trace of a real-tensor workload rejects real tensors
+    it did not get as inputs).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, bert: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.bert = bert
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), return_dict=True)
-        return out.logits
+        kwargs: dict[str, torch.Tensor] = {}
+        if not self.bert:
+            kwargs["attention_mask"] = torch.ones_like(input_ids)
+        else:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            kwargs["position_ids"] = pos.unsqueeze(0).expand_as(input_ids)
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+        return self.model(input_ids=input_ids, return_dict=True, **kwargs).logits
 
 
 def _transformers() -> Any:
@@ -57,9 +69,9 @@ def _bert(size: str, batch: int, dropout: bool, large: bool) -> Built:
         hidden, layers, heads, length, vocab = (256, 2, 4, 64, 2000)
     config = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                            num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=512,
-                           hidden_dropout_prob=p, attention_probs_dropout_prob=p)
+                           hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=None)
     config._attn_implementation = "eager"
-    model = LogitsOnly(tf.BertForMaskedLM(config))
+    model = LogitsOnly(tf.BertForMaskedLM(config), bert=True)
     ids = torch.randint(0, vocab, (batch, length))
     masked = torch.rand(batch, length) < MASK_FRACTION
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
@@ -93,7 +105,8 @@ def gpt2(size: str, batch: int, dropout: bool) -> Built:
     else:
         d, layers, heads, length, vocab = 256, 2, 4, 64, 2000
     config = tf.GPT2Config(vocab_size=vocab, n_positions=max(length, 1024), n_embd=d, n_layer=layers,
-                           n_head=heads, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False)
+                           n_head=heads, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
+                           bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=None)
     config._attn_implementation = "eager"
     model = LogitsOnly(tf.GPT2LMHeadModel(config))
     tokens = torch.randint(0, vocab, (batch, length + 1))

@@ -22,14 +22,13 @@ def _tokens(batch: int, length: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length))
 
 
-def _sinusoids(length: int, d_model: int) -> torch.Tensor:
-    """The sinusoidal position encodings of Vaswani et al. 2017, ``(length, d_model)``."""
-    pos = torch.arange(length, dtype=torch.float32).unsqueeze(1)
-    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    pe = torch.zeros(length, d_model)
-    pe[:, 0::2] = torch.sin(pos * freq)
-    pe[:, 1::2] = torch.cos(pos * freq)
-    return pe
+def _sinusoids(length: int, d_model: int, device: torch.device | None = None) -> torch.Tensor:
+    """The sinusoidal position encodings of Vaswani et al. 2017, ``(length, d_model)`` (sin and cos halves
+    concatenated rather than interleaved, which is equivalent up to a fixed permutation of features)."""
+    pos = torch.arange(length, dtype=torch.float32, device=device).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32, device=device)
+                     * (-math.log(10000.0) / d_model))
+    return torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ Transformer
@@ -45,20 +44,33 @@ class Transformer(nn.Module):
         self.scale = math.sqrt(d_model)
         self.embed = nn.Embedding(vocab, d_model)
         nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
-        self.register_buffer("pos", _sinusoids(max_len, d_model), persistent=False)
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(max_len), persistent=False)
         self.drop = nn.Dropout(dropout)
-        self.transformer = nn.Transformer(d_model, heads, layers, layers, ffn, dropout, batch_first=True)
+        # nn.Transformer deep-copies one prototype layer per layer, and deepcopy of a FakeTensor lands in a new
+        # FakeTensorMode ("Mixing fake modes" later); so build it with 0 layers and add fresh ones.
+        t = nn.Transformer(d_model, heads, 0, 0, ffn, dropout, batch_first=True)
+        t.encoder.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+                                         for _ in range(layers))
+        t.decoder.layers = nn.ModuleList(nn.TransformerDecoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+                                         for _ in range(layers))
+        t.encoder.num_layers = t.decoder.num_layers = layers
+        for p in t.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)  # as nn.Transformer._reset_parameters does
+        self.transformer = t
         self.out = nn.Linear(d_model, vocab, bias=False)
         self.out.weight = self.embed.weight
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.embed(tokens) * self.scale + self.pos[: tokens.shape[1]])
+        pos = _sinusoids(tokens.shape[1], self.embed.embedding_dim, tokens.device)
+        return self.drop(self.embed(tokens) * self.scale + pos)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        # Positions and the causal mask are computed here, not kept as buffers: a real buffer would be a
+        # captured constant, which a fake-mode trace of a real-tensor workload rejects.
         t = tgt.shape[1]
-        # tgt_is_causal=True: nn.Transformer would otherwise compare the mask against a causal one (data-dependent).
-        h = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=self.causal[:t, :t], tgt_is_causal=True)
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=tgt.device), diagonal=1)
+        # tgt_is_causal=True: nn.Transformer would otherwise compare the mask to a causal one (data-dependent).
+        h = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=mask, tgt_is_causal=True)
         return self.out(h)
 
 
@@ -75,7 +87,8 @@ def transformer(size: str, batch: int, dropout: bool) -> Built:
         vocab, d, heads, layers, ffn, length = 2000, 256, 4, 2, 1024, 32
     model = Transformer(vocab, d, heads, layers, ffn, length, p)
     tgt = _tokens(batch, length + 1, vocab)
-    return model, cross_entropy, (_tokens(batch, length, vocab), tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())
+    src = _tokens(batch, length, vocab)
+    return model, cross_entropy, (src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())
 
 
 # ------------------------------------------------------------------------------------------------------ RNNLM
@@ -162,4 +175,5 @@ def gnmt(size: str, batch: int, dropout: bool) -> Built:
     else:
         vocab, hidden, length = 2000, 256, 16
     tgt = _tokens(batch, length + 1, vocab)
-    return GNMT(vocab, hidden, p), cross_entropy, (_tokens(batch, length, vocab), tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())
+    src = _tokens(batch, length, vocab)
+    return GNMT(vocab, hidden, p), cross_entropy, (src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())

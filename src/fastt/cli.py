@@ -1,0 +1,239 @@
+"""The `fastt` command line: plan, simulate, compare, demo. Errors are one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import api
+from .cluster import Cluster, cluster
+from .errors import FasttError
+from .graph import OpGraph
+from .plan import PLANNERS
+from .strategy import Strategy
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as for every other bad input
+        raise FasttError(f"{message} (see `{self.prog} --help`)")
+
+
+def _is_file_spec(spec: str) -> bool:
+    return ":" in spec and spec.split(":")[0].endswith(".py")
+
+
+def check_models(specs: Sequence[str]) -> None:
+    """Fail fast, before any long capture, on a model that is neither in the zoo nor a file."""
+    from .zoo import NAMES
+
+    for spec in specs:
+        if _is_file_spec(spec):
+            if not Path(spec.rsplit(":", 1)[0]).is_file():
+                raise FasttError(f"model file {spec.rsplit(':', 1)[0]} not found")
+        elif spec not in NAMES:
+            raise FasttError(f"unknown model '{spec}': use a zoo model ({', '.join(NAMES)}) or path/to/file.py:function")
+
+
+def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
+    """Capture the step of a zoo model, or of `path/to/file.py:function` returning
+    (model, loss_fn, optimizer, example_inputs)."""
+    check_models([spec])
+    if _is_file_spec(spec):
+        path, fn_name = spec.rsplit(":", 1)
+        mod_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        try:
+            mod_spec.loader.exec_module(module)
+            model, loss_fn, opt, inputs = getattr(module, fn_name)()
+        except FasttError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's file: report it in one line
+            raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+        return api.capture(model, loss_fn, opt, inputs, name=Path(path).stem)
+    from . import zoo
+
+    w = zoo.get(spec, size, batch=batch, optimizer=optimizer, dropout=False)
+    return api.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name=spec)
+
+
+def _gb(n: float) -> float:
+    return round(n / 1e9, 2)
+
+
+def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
+            optimizer: str, progress: bool = True) -> list[dict]:
+    """Every planner on every model, simulated: the rows of `fastt compare`."""
+    check_models(models)
+    rows = []
+    bar = tqdm(total=len(models) * len(planners), desc="compare", disable=not progress, file=sys.stderr)
+    for m in models:
+        bar.set_postfix_str(f"capturing {m}")
+        graph = load_graph(m, size, batch, optimizer)
+        results = {}
+        for p in planners:
+            bar.set_postfix_str(f"{m}: {p}")
+            t0 = time.perf_counter()
+            strategy = api.plan(graph, cl, p)
+            plan_s = time.perf_counter() - t0
+            results[p] = (api.simulate(graph, strategy, cl), plan_s, strategy)
+            bar.update()
+        dp_time = results["dp"][0].iteration_s if "dp" in results else None
+        for p, (tl, plan_s, strategy) in results.items():
+            rows.append({
+                "model": m, "planner": p, "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s,
+                "lower_bound_ratio": tl.iteration_s / tl.lower_bound_s if tl.lower_bound_s else None,
+                "speedup_over_dp": dp_time / tl.iteration_s if dp_time else None, "plan_s": plan_s,
+                "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes], "fits": bool(tl.fits),
+                "oom": list(tl.oom), "splits": len(strategy.splits), "ops": len(graph.ops),
+                "fx_nodes": graph.fx_nodes, "batch": graph.batch,
+            })
+    bar.close()
+    return rows
+
+
+def format_table(rows: list[dict], cl: Cluster) -> str:
+    head = ("model", "planner", "batch", "iter ms", "vs DP", "/LB", "plan s", "peak GB per device", "fits", "splits")
+    lines = []
+    for r in rows:
+        sp = f"{r['speedup_over_dp']:.2f}x" if r["speedup_over_dp"] else "-"
+        lb = f"{r['lower_bound_ratio']:.2f}" if r["lower_bound_ratio"] else "-"
+        mem = " ".join(f"{_gb(b):g}" for b in r["peak_memory_bytes"])
+        lines.append((r["model"], r["planner"], str(r["batch"]), f"{r['iteration_s'] * 1e3:.1f}", sp, lb,
+                      f"{r['plan_s']:.2f}", mem, "yes" if r["fits"] else "NO", str(r["splits"])))
+    widths = [max(len(x) for x in col) for col in zip(head, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [f"cluster {cl.name}: {len(cl.devices)} x {cl.devices[0].kind}, "
+           f"{_gb(cl.devices[0].memory_bytes):g} GB each", fmt.format(*head)]
+    out += [fmt.format(*line) for line in lines]
+    out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in rows if not r["fits"]]
+    return "\n".join(out)
+
+
+def cmd_compare(a: argparse.Namespace) -> None:
+    cl = cluster(a.cluster)
+    planners = [p.strip() for p in a.planners.split(",")]
+    for p in planners:
+        if p not in PLANNERS:
+            raise FasttError(f"unknown planner '{p}': available planners are {', '.join(PLANNERS)}")
+    rows = compare([m.strip() for m in a.model.split(",")], cl, planners, a.size, a.batch, a.optimizer,
+                   progress=not a.json)
+    if a.json:
+        print(json.dumps({"cluster": a.cluster, "results": rows}))
+    else:
+        print(format_table(rows, cl))
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    cl = cluster(a.cluster)
+    graph = load_graph(a.model, a.size, a.batch, a.optimizer)
+    strategy = api.plan(graph, cl, a.planner)
+    if a.out:
+        strategy.save(a.out)
+    tl = api.simulate(graph, strategy, cl)
+    summary = {"model": a.model, "cluster": a.cluster, "planner": a.planner, "iteration_s": tl.iteration_s,
+               "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes}
+    print(json.dumps(summary) if a.json else
+          f"{a.model} on {a.cluster} with {a.planner}: {tl.iteration_s * 1e3:.1f} ms per iteration"
+          f"{'' if tl.fits else ' (does not fit)'}; {graph.fx_nodes} aten nodes grouped into {len(graph.ops)} ops"
+          + (f"; strategy written to {a.out}" if a.out else ""))
+
+
+def cmd_simulate(a: argparse.Namespace) -> None:
+    from .report import write_gantt, write_trace
+    from .plan import graph_for
+
+    cl = cluster(a.cluster)
+    graph = load_graph(a.model, a.size, a.batch, a.optimizer)
+    strategy = Strategy.load(a.strategy) if a.strategy else api.plan(graph, cl, a.planner)
+    tl = api.simulate(graph, strategy, cl)
+    g = graph_for(graph, strategy)
+    if a.trace:
+        write_trace(tl, g, a.trace)
+    if a.gantt:
+        write_gantt(tl, g, a.gantt)
+    summary = {"model": a.model, "cluster": a.cluster, "planner": strategy.planner, "iteration_s": tl.iteration_s,
+               "lower_bound_s": tl.lower_bound_s, "fits": bool(tl.fits), "oom": list(tl.oom),
+               "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
+               "busy_s": [float(b) for b in tl.busy_s], "critical_path_ops": len(tl.critical_path),
+               "trace": a.trace, "gantt": a.gantt}
+    if a.json:
+        print(json.dumps(summary))
+        return
+    print(f"{a.model} on {cl.name} ({strategy.planner}): {tl.iteration_s * 1e3:.2f} ms per iteration, "
+          f"lower bound {tl.lower_bound_s * 1e3:.2f} ms")
+    for d, dev in enumerate(cl.devices):
+        print(f"  {dev.name}: busy {tl.busy_s[d] * 1e3:.1f} ms, peak memory {_gb(tl.peak_memory_bytes[d]):g} GB"
+              f" of {_gb(dev.memory_bytes):g} GB")
+    print("  fits" if tl.fits else "  DOES NOT FIT: " + "; ".join(tl.oom))
+    for path in (a.trace, a.gantt):
+        if path:
+            print(f"  wrote {path}")
+
+
+def cmd_demo(a: argparse.Namespace) -> None:
+    """The main job: strategies compared on a simulated GPU cluster (real multi-device runs come later)."""
+    models = a.models.split(",")
+    for spec in a.clusters.split(","):
+        cl = cluster(spec)
+        rows = compare(models, cl, ["single", "dp"], "paper", None, "sgd", progress=not a.json)
+        print(json.dumps({"cluster": spec, "results": rows}) if a.json else format_table(rows, cl) + "\n")
+
+
+def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> None:
+    p.add_argument("--model", required=True, help="zoo model name(s) or path/to/file.py:function")
+    p.add_argument("--cluster", required=cluster_default is None, default=cluster_default,
+                   help="cpu:N, cuda, NxGPU[-link] (4xV100, 8xA100-pcie), MxNxGPU, or a JSON file")
+    p.add_argument("--size", default="paper", choices=("test", "paper"), help="zoo model size (default paper)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the size's)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="fastt", description="Automatic parallel training plans for PyTorch models (FastT).")
+    sub = top.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = sub.add_parser("plan", help="plan a model on a cluster")
+    _common(p)
+    p.add_argument("--planner", default="dp", help=f"one of {', '.join(PLANNERS)}")
+    p.add_argument("--out", help="write the strategy JSON here")
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("simulate", help="simulate a strategy")
+    _common(p)
+    p.add_argument("--strategy", help="strategy JSON from fastt plan --out (default: plan with --planner)")
+    p.add_argument("--planner", default="dp")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--gantt", help="write a Gantt chart PNG here")
+    p.set_defaults(fn=cmd_simulate)
+    p = sub.add_parser("compare", help="compare planners side by side")
+    _common(p)
+    p.add_argument("--planners", default=",".join(PLANNERS))
+    p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("demo", help="the main job on built-in defaults")
+    p.add_argument("--models", default="vgg19,resnet50,inception_v3,bert-base")
+    p.add_argument("--clusters", default="4xV100,8xA100-pcie")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_demo)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        args.fn(args)
+    except FasttError as e:
+        print(f"fastt: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

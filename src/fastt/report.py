@@ -1,0 +1,118 @@
+"""Exports of a simulated Timeline: a Chrome/Perfetto trace and a Gantt chart PNG.
+
+The trace has one process for devices (pid 0, one thread per device) and one for links (pid 1, one thread per
+link); a transfer appears on every link of its route, an allreduce on every link of its ring. Times are µs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastt.graph import ALLREDUCE, COMPUTE, INPUT, UPDATE, OpGraph
+from fastt.simulate import Timeline
+
+DEVICES_PID, LINKS_PID = 0, 1
+# Colors by op kind for the Gantt chart; transfers and allreduces are drawn on link rows.
+KIND_COLORS = {INPUT: "#9e9e9e", COMPUTE: "#1f77b4", UPDATE: "#2ca02c", ALLREDUCE: "#d62728",
+               "transfer": "#ff7f0e"}
+
+
+def chrome_trace(timeline: Timeline, g: OpGraph) -> dict[str, Any]:
+    """The timeline as Chrome trace events ({"traceEvents": [...]}, load in chrome://tracing or Perfetto)."""
+    us = 1e6
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": DEVICES_PID, "args": {"name": "devices"}},
+        {"name": "process_name", "ph": "M", "pid": LINKS_PID, "args": {"name": "links"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": DEVICES_PID, "tid": d, "args": {"name": name}}
+               for d, name in enumerate(timeline.device_names)]
+    events += [{"name": "thread_name", "ph": "M", "pid": LINKS_PID, "tid": k, "args": {"name": name}}
+               for k, name in enumerate(timeline.link_names)]
+    for i in _placed(timeline):
+        op = g.ops[i]
+        events.append({"name": op.name, "cat": op.kind, "ph": "X", "pid": DEVICES_PID,
+                       "tid": int(timeline.device[i]), "ts": timeline.start[i] * us,
+                       "dur": (timeline.end[i] - timeline.start[i]) * us,
+                       "args": {"target": op.target, "out_bytes": op.out_bytes}})
+    for t in timeline.transfers:
+        name = f"{g.ops[t.op].name} {t.src}->{t.dst}"
+        events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k, "ts": t.start * us,
+                    "dur": (t.end - t.start) * us, "args": {"bytes": t.nbytes}} for k in t.links]
+    for c in timeline.collectives:
+        events += [{"name": g.ops[c.op].name, "cat": ALLREDUCE, "ph": "X", "pid": LINKS_PID, "tid": k,
+                    "ts": c.start * us, "dur": (c.end - c.start) * us,
+                    "args": {"bytes": c.nbytes, "group": list(c.group)}} for k in c.links]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(timeline: Timeline, g: OpGraph, path: str | Path) -> None:
+    """Write `chrome_trace` as JSON to `path`."""
+    Path(path).write_text(json.dumps(chrome_trace(timeline, g)))
+
+
+def write_gantt(timeline: Timeline, g: OpGraph, path: str | Path) -> None:
+    """Draw a Gantt chart PNG: one row per device and per busy link, bars colored by op kind."""
+    # A Figure without pyplot renders with Agg and touches no global state.
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    unit, scale = _time_unit(timeline.iteration_s)
+    rows = _gantt_rows(timeline, g, scale)
+    fig = Figure(figsize=(12, 1.2 + 0.4 * len(rows)), dpi=100)
+    ax = fig.add_subplot()
+    label_bars = sum(len(bars) for _, bars in rows) <= 60  # names only fit when there are few bars
+    for y, (_, bars) in enumerate(rows):
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        for start, width, kind, _ in bars:
+            by_kind.setdefault(kind, []).append((start, width))
+        for kind, spans in by_kind.items():
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=KIND_COLORS.get(kind, "#8c564b"),
+                           edgecolor="white" if len(spans) < 200 else "none", linewidth=0.5)
+        if label_bars:
+            for start, width, _, name in bars:
+                ax.text(start + width / 2, y, name, ha="center", va="center", fontsize=7, clip_on=True)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, max(timeline.iteration_s * scale, 1e-9))
+    ax.set_xlabel(f"time ({unit})")
+    title = f"{g.name}: {timeline.iteration_s * scale:.4g} {unit} per step"
+    ax.set_title(title + (f" ({timeline.planner})" if timeline.planner else ""))
+    kinds = sorted({kind for _, bars in rows for _, _, kind, _ in bars})
+    ax.legend(handles=[Patch(color=KIND_COLORS.get(k, "#8c564b"), label=k) for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside, so it hides no bar
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit that shows `seconds` with a few digits before the point, and its scale from seconds."""
+    for unit, scale in (("s", 1.0), ("ms", 1e3)):
+        if seconds * scale >= 1:
+            return unit, scale
+    return "µs", 1e6
+
+
+def _gantt_rows(timeline: Timeline, g: OpGraph, ms: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
+    """(row label, [(start, width, kind, name)]) for every device, then every link that carried something.
+
+    Times are seconds times `ms`, the chart's scale.
+    """
+    devices: list[list[tuple[float, float, str, str]]] = [[] for _ in timeline.device_names]
+    for i in _placed(timeline):
+        op = g.ops[i]
+        devices[int(timeline.device[i])].append(
+            (timeline.start[i] * ms, (timeline.end[i] - timeline.start[i]) * ms, op.kind, op.name))
+    links: list[list[tuple[float, float, str, str]]] = [[] for _ in timeline.link_names]
+    for t in timeline.transfers:
+        for k in t.links:
+            links[k].append((t.start * ms, (t.end - t.start) * ms, "transfer", g.ops[t.op].name))
+    for c in timeline.collectives:
+        for k in c.links:
+            links[k].append((c.start * ms, (c.end - c.start) * ms, ALLREDUCE, g.ops[c.op].name))
+    return ([(name, bars) for name, bars in zip(timeline.device_names, devices)]
+            + [(name, bars) for name, bars in zip(timeline.link_names, links) if bars])
+
+
+def _placed(timeline: Timeline) -> list[int]:
+    return [int(i) for i in (timeline.device >= 0).nonzero()[0]]
