@@ -1,6 +1,6 @@
 """fastt: automatic device placement, scheduling and op splitting for training PyTorch models (FastT)."""
 
-from .api import capture, lower_bound, plan, simulate
+from .api import capture, lower_bound, measure, plan, simulate
 from .cluster import Cluster, cluster
 from .errors import FasttError
 from .graph import Op, OpGraph
@@ -14,7 +14,7 @@ __all__ = [
            "Strategy",
            "capture",
            "cluster",
-           "lower_bound",
+           "lower_bound", "measure",
            "plan",
            "simulate",
 ]

@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .capture import capture_step
+from .capture import bind, capture_step
 from .cluster import Cluster, cluster
 from .coarsen import to_opgraph
 from .cost import MeasuredCosts, op_times
+from .cost import measure as _measure
 from .graph import OpGraph, chain_lengths
 from .plan import get_planner, graph_for
 from .simulate import Timeline
@@ -37,6 +38,21 @@ def capture(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Op
 
     g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs), name)
     return _with_recapture(g, recapture)
+
+
+def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            example_inputs: Sequence[torch.Tensor], threads: int = 1, runs: int = 5,
+            progress: bool = True) -> MeasuredCosts:
+    """Measured op times of `graph` (captured from this model) on this CPU with `threads` threads.
+
+    The step runs on copies of the real parameters, buffers and optimizer state: the model is not changed.
+    Data parallelism places the step at batch/N: measure `rebatch(graph, b)` with the inputs sliced to b.
+    """
+    step = graph.fx
+    params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=False)
+    inputs = tuple(x[:graph.batch] for x in example_inputs)
+    return _measure(graph, [params, buffers, states, *inputs], kind="cpu", threads=threads, runs=runs,
+                    progress=progress)
 
 
 def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:

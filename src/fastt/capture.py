@@ -118,7 +118,7 @@ class Step:
         """Run one training step with real tensors through the captured graph; returns the loss."""
         if _signature(model, optimizer, batch) != self.signature:
             raise FasttError("model, optimizer hyperparameters or batch shapes changed since capture: capture again")
-        params, buffers, states = _bind(model, optimizer, self.param_names, self.state_keys, create=True)
+        params, buffers, states = bind(model, optimizer, self.param_names, self.state_keys, create=True)
         with torch.no_grad():
             out = self.gm(params, buffers, states, *batch)
             n = len(params)
@@ -149,7 +149,7 @@ def _groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) ->
     return out
 
 
-def _bind(model, optimizer, names, state_keys, create: bool):
+def bind(model, optimizer, names, state_keys, create: bool):
     """The model's params and buffers and the optimizer's state tensors, in graph order."""
     named = dict(model.named_parameters())
     params = [named[n] for n in names]
@@ -212,7 +212,7 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     fake_mode = detect_fake_mode((*[p for _, p in trainable], *example_inputs))
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx:
-        params, buffers, states = _bind(model, optimizer, names, state_keys, create=False)
+        params, buffers, states = bind(model, optimizer, names, state_keys, create=False)
     fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups)
     was_training = model.training
     model.train()

@@ -1,0 +1,148 @@
+"""Tests of the model zoo: every model trains a real step at test size, builds fake at paper size, and traces."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fastt.errors import FasttError
+from fastt.zoo import NAMES, Workload, default_batch, get
+
+# Parameter counts at paper size, from the literature / reference implementations.
+PAPER_PARAMS: dict[str, float] = {
+    "lenet": 61_706,                  # LeNet-5
+    "alexnet": 61.1e6,                # torchvision alexnet
+    "vgg19": 143.7e6,                 # torchvision vgg19
+    "inception_v3": 23.83e6,          # torchvision inception_v3 (27.2M) minus its 3.3M auxiliary head
+    "resnet50": 25.6e6,               # torchvision resnet50
+    "resnet200": 64.7e6,              # He et al. 2016 / timm resnet200
+    "transformer": 60.5e6,            # Transformer-base: 44.1M + tied 32000x512 embedding (65M with 37k vocab)
+    "bert-base": 110e6,               # Devlin et al. 2019
+    "bert-large": 340e6,              # Devlin et al. 2019
+    "gpt2": 124.4e6,                  # GPT-2 small
+    "rnnlm": 66e6,                    # Zaremba et al. 2014, large PTB model
+    "gnmt": 160e6,                    # MLPerf GNMT v2 (shared embedding)
+    "mlp": 150.8e6,                   # our own: 1024-8192-8192-8192-1000
+}
+
+HAS_DROPOUT = ("alexnet", "vgg19", "inception_v3", "transformer", "bert-base", "bert-large", "gpt2", "rnnlm",
+               "gnmt", "mlp")
+
+
+def n_params(w: Workload) -> int:
+    return sum(p.numel() for p in w.model.parameters())
+
+
+def train_step(w: Workload) -> torch.Tensor:
+    loss = w.loss_fn(w.model(*w.example_inputs[:-1]), w.example_inputs[-1])
+    w.optimizer.zero_grad()
+    loss.backward()
+    w.optimizer.step()
+    return loss
+
+
+def trace(w: Workload) -> torch.fx.GraphModule:
+    """fastt's capture in miniature: a functional SGD step traced with make_fx in fake mode."""
+    names = [n for n, _ in w.model.named_parameters()]
+    params = [p for _, p in w.model.named_parameters()]
+    bufs = dict(w.model.named_buffers())
+
+    def step(params, *batch):  # noqa: ANN001, ANN202
+        def lf(ps):  # noqa: ANN001, ANN202
+            out = functional_call(w.model, {**dict(zip(names, ps)), **bufs}, tuple(batch[:-1]))
+            return w.loss_fn(out, batch[-1])
+
+        grads, loss = torch.func.grad_and_value(lf)(params)
+        return loss, [p - 0.1 * g for p, g in zip(params, grads)]
+
+    return make_fx(functionalize(step), tracing_mode="fake")(params, *w.example_inputs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_test_size_trains_fast(name: str) -> None:
+    w = get(name)
+    assert w.fake_mode is None and w.size == "test" and w.batch == default_batch(name)
+    assert w.model.training
+    before = [p.detach().clone() for p in w.model.parameters()]
+    times = []
+    for _ in range(2):  # the first step also pays for first-touch allocations; keep the better one
+        t0 = time.perf_counter()
+        loss = train_step(w)
+        times.append(time.perf_counter() - t0)
+    assert math.isfinite(loss.item())
+    assert min(times) < 1.0, f"{name}: train step took {min(times):.2f}s"
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, w.model.parameters()))
+    assert changed == len(before), f"{name}: only {changed}/{len(before)} parameters were updated"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paper_size_is_fake_with_reference_param_count(name: str) -> None:
+    t0 = time.perf_counter()
+    w = get(name, "paper")
+    assert time.perf_counter() - t0 < 10
+    assert w.fake_mode is not None and w.batch == default_batch(name, "paper")
+    assert all(isinstance(p, FakeTensor) for p in w.model.parameters())
+    assert all(isinstance(x, FakeTensor) for x in w.example_inputs)
+    assert all(x.shape[0] == w.batch for x in w.example_inputs)
+    ref = PAPER_PARAMS[name]
+    assert abs(n_params(w) - ref) / ref < 0.02, f"{name}: {n_params(w):,} params, reference {ref:,.0f}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_test_size_traces(name: str) -> None:
+    g = trace(get(name))
+    assert len(g.graph.nodes) > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_paper_size_traces(name: str) -> None:
+    g = trace(get(name, "paper"))
+    assert len(g.graph.nodes) > 10
+
+
+@pytest.mark.parametrize("name", HAS_DROPOUT)
+def test_dropout_off_is_deterministic(name: str) -> None:
+    w = get(name, dropout=False)
+    x = w.example_inputs[:-1]
+    with torch.no_grad():
+        assert torch.equal(w.model(*x), w.model(*x))
+    w = get(name, dropout=True)
+    with torch.no_grad():
+        assert not torch.equal(w.model(*x), w.model(*x))
+
+
+@pytest.mark.parametrize("name", ["lenet", "transformer", "gnmt"])
+def test_seed_reproducible(name: str) -> None:
+    a, b, c = get(name, seed=3), get(name, seed=3), get(name, seed=4)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.example_inputs, b.example_inputs))
+    assert not torch.equal(a.example_inputs[0], c.example_inputs[0])
+
+
+def test_options() -> None:
+    w = get("mlp", batch=8, optimizer="adam")
+    assert w.batch == 8 and all(x.shape[0] == 8 for x in w.example_inputs)
+    assert type(w.optimizer) is torch.optim.Adam
+    assert type(get("mlp", optimizer="adamw").optimizer) is torch.optim.AdamW
+    sgd = get("mlp").optimizer
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["lr"] == 0.01 and sgd.defaults["momentum"] == 0.9
+    assert get("mlp", fake=True).fake_mode is not None
+    w = get("lenet", "paper", fake=False, batch=2)
+    assert w.fake_mode is None and not isinstance(w.example_inputs[0], FakeTensor)
+
+
+@pytest.mark.parametrize("kwargs", [{"name": "resnet51"}, {"name": "mlp", "size": "huge"},
+                                    {"name": "mlp", "optimizer": "lamb"}, {"name": "mlp", "batch": 0}])
+def test_bad_arguments(kwargs: dict) -> None:
+    with pytest.raises(FasttError) as e:
+        get(**kwargs)
+    assert "\n" not in str(e.value)
+    if "size" not in kwargs and "optimizer" not in kwargs and "batch" not in kwargs:
+        assert all(n in str(e.value) for n in NAMES)
