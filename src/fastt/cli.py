@@ -72,7 +72,21 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
     """Every planner on every model, simulated: the rows of `fastt compare`."""
     check_models(models)
     rows = []
-    bar = tqdm(total=len(models) * len(planners), desc="compare", disable=not progress, file=sys.stderr)
+    # Only on a terminal (disable=None), and cleared on an error, so that a failure leaves one line on stderr.
+    bar = tqdm(total=len(models) * len(planners), desc="compare", disable=None if progress else True, file=sys.stderr)
+    try:
+        rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar)
+    except BaseException:
+        bar.leave = False
+        raise
+    finally:
+        bar.close()
+    return rows
+
+
+def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
+                  optimizer: str, bar: tqdm) -> list[dict]:
+    rows = []
     for m in models:
         bar.set_postfix_str(f"capturing {m}")
         graph = load_graph(m, size, batch, optimizer)
@@ -94,7 +108,6 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
                 "oom": list(tl.oom), "splits": len(strategy.splits), "ops": len(graph.ops),
                 "fx_nodes": graph.fx_nodes, "batch": graph.batch,
             })
-    bar.close()
     return rows
 
 

@@ -39,18 +39,18 @@ def _hf(attr: str) -> Builder:
 
 # name -> (builder, default batch at test size, default batch at paper size)
 _REGISTRY: dict[str, tuple[Builder, int, int]] = {
-    "lenet": (vision.lenet, 256, 64),
+    "lenet": (vision.lenet, 512, 64),
     "alexnet": (vision.alexnet, 32, 128),
-    "vgg19": (vision.vgg19, 32, 64),
-    "inception_v3": (vision.inception_v3, 16, 64),
+    "vgg19": (vision.vgg19, 64, 64),
+    "inception_v3": (vision.inception_v3, 32, 64),
     "resnet50": (vision.resnet50, 16, 64),
     "resnet200": (vision.resnet200, 16, 32),
     "transformer": (sequence.transformer, 16, 64),
     "bert-base": (_hf("bert_base"), 16, 32),
     "bert-large": (_hf("bert_large"), 16, 32),
     "gpt2": (_hf("gpt2"), 16, 8),
-    "rnnlm": (sequence.rnnlm, 32, 64),
-    "gnmt": (sequence.gnmt, 32, 128),
+    "rnnlm": (sequence.rnnlm, 64, 64),
+    "gnmt": (sequence.gnmt, 64, 128),
     "mlp": (vision.mlp, 256, 256),
 }
 assert tuple(_REGISTRY) == NAMES

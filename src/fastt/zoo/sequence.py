@@ -113,12 +113,12 @@ def rnnlm(size: str, batch: int, dropout: bool) -> Built:
     """2-layer LSTM LM, the "large" Penn Treebank setup of Zaremba et al. 2014: vocabulary 10000, embedding and
     hidden size 1500, dropout 0.65, unrolled 35 steps (66.0M params). paper batch: 64 (Zaremba used 20 on one
     GPU; 64 is a common per-iteration batch when training on several devices). test: hidden 256, vocab 2000,
-    35 steps, batch 32. Input tokens[:, :-1], target tokens[:, 1:]."""
+    20 steps, batch 64. Input tokens[:, :-1], target tokens[:, 1:]."""
     p = _p(dropout, 0.65)
     if size == "paper":
         vocab, hidden, length = 10000, 1500, 35
     else:
-        vocab, hidden, length = 2000, 256, 35
+        vocab, hidden, length = 2000, 256, 20
     tokens = _tokens(batch, length + 1, vocab)
     return RNNLM(vocab, hidden, 2, p), cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
@@ -168,12 +168,12 @@ class GNMT(nn.Module):
 def gnmt(size: str, batch: int, dropout: bool) -> Built:
     """GNMT-4 (the MLPerf translation reference): hidden 1024, shared vocabulary of 32000 wordpieces, dropout 0.2,
     source and target length 50 (MLPerf's training cap), batch 128 (the GNMT paper's and MLPerf's per-GPU batch).
-    test: hidden 256, vocab 2000, length 16, batch 32. Inputs (src, tgt_in), target = tgt_in shifted by one."""
+    test: hidden 256, vocab 2000, length 10, batch 64. Inputs (src, tgt_in), target = tgt_in shifted by one."""
     p = _p(dropout, 0.2)
     if size == "paper":
         vocab, hidden, length = 32000, 1024, 50
     else:
-        vocab, hidden, length = 2000, 256, 16
+        vocab, hidden, length = 2000, 256, 10
     tgt = _tokens(batch, length + 1, vocab)
     src = _tokens(batch, length, vocab)
     return GNMT(vocab, hidden, p), cross_entropy, (src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous())

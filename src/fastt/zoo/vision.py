@@ -9,6 +9,7 @@ milliseconds on a 2-core CPU. No model has data-dependent Python control flow.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,7 +61,7 @@ class LeNet(nn.Module):
 
 def lenet(size: str, batch: int, dropout: bool) -> Built:
     """LeNet-5. paper: 1x32x32 images (MNIST padded to 32x32 as in the original), 10 classes, 61,706 params,
-    batch 64. test: the same net, batch 256 so its ops are big enough to time (no dropout in LeNet)."""
+    batch 64. test: the same net, batch 512 so its ops are big enough to time (no dropout in LeNet)."""
     del size, dropout
     return LeNet(), cross_entropy, _images(batch, 1, 32, 10)
 
@@ -92,11 +93,11 @@ class AlexNet(nn.Module):
 
 def alexnet(size: str, batch: int, dropout: bool) -> Built:
     """AlexNet. paper: 3x224x224, 1000 classes, channels 64-192-384-256-256, FC 4096-4096 (61.1M params),
-    batch 128 (the AlexNet paper's batch). test: 3x64x64, channels x0.5, FC 512, 100 classes."""
+    batch 128 (the AlexNet paper's batch). test: 3x64x64, the full conv widths, FC 1024, 100 classes."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return AlexNet(dropout=p), cross_entropy, _images(batch, 3, 224, 1000)
-    return AlexNet(64, 100, 0.5, 512, p), cross_entropy, _images(batch, 3, 64, 100)
+    return AlexNet(64, 100, 1.0, 1024, p), cross_entropy, _images(batch, 3, 64, 100)
 
 
 # ------------------------------------------------------------------------------------------------------ VGG
@@ -126,6 +127,13 @@ class VGG(nn.Module):
         self.classifier = nn.Sequential(
             nn.Linear(cin * s * s, fc), nn.ReLU(), nn.Dropout(dropout),
             nn.Linear(fc, fc), nn.ReLU(), nn.Dropout(dropout), nn.Linear(fc, classes))
+        for m in self.modules():  # torchvision's VGG init; PyTorch's default init vanishes over 16 convs
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.features(x), 1))
@@ -133,11 +141,11 @@ class VGG(nn.Module):
 
 def vgg19(size: str, batch: int, dropout: bool) -> Built:
     """VGG-19 (configuration E). paper: 3x224x224, 1000 classes, FC 4096 (143.7M params), batch 64.
-    test: 3x32x32, channels x1/8 (8..64), FC 256, 100 classes."""
+    test: 3x32x32, channels x1/4 (16..128), FC 512, 100 classes."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return VGG(dropout=p), cross_entropy, _images(batch, 3, 224, 1000)
-    return VGG(VGG19_CFG, 32, 100, 1 / 8, 256, p), cross_entropy, _images(batch, 3, 32, 100)
+    return VGG(VGG19_CFG, 32, 100, 1 / 4, 512, p), cross_entropy, _images(batch, 3, 32, 100)
 
 
 # ------------------------------------------------------------------------------------------------- ResNet
@@ -195,6 +203,9 @@ class ResNet(nn.Module):
             stages.append(nn.Sequential(*layers))
         self.stages = nn.Sequential(*stages)
         self.fc = nn.Linear(cin, classes)
+        for m in self.modules():  # torchvision's ResNet init
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
@@ -213,11 +224,12 @@ def resnet50(size: str, batch: int, dropout: bool) -> Built:
 def resnet200(size: str, batch: int, dropout: bool) -> Built:
     """ResNet-200 (blocks 3-24-36-3, He et al. 2016 "Identity mappings", here with post-activation blocks).
     paper: 3x224x224, 1000 classes (64.7M params), batch 32 (it is ~4x the compute of ResNet-50).
-    test: blocks 1-2-3-1 (the depth is what makes it slow), base width 16, 3x64x64, 100 classes."""
+    test: blocks 3-8-12-3 (deeper than ResNet-50's test size, 3x shallower than paper), base width 16, 3x64x64,
+    100 classes."""
     del dropout
     if size == "paper":
         return ResNet((3, 24, 36, 3)), cross_entropy, _images(batch, 3, 224, 1000)
-    return ResNet((1, 2, 3, 1), 100, 16), cross_entropy, _images(batch, 3, 64, 100)
+    return ResNet((3, 8, 12, 3), 100, 16), cross_entropy, _images(batch, 3, 64, 100)
 
 
 # --------------------------------------------------------------------------------------------- Inception v3
@@ -374,7 +386,7 @@ class MLP(nn.Module):
     def __init__(self, dims: Sequence[int], dropout: float = 0.1) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(dims)):
             layers.append(nn.Linear(a, b))
             if i < len(dims) - 2:
                 layers += [nn.ReLU(), nn.Dropout(dropout)]
@@ -386,7 +398,7 @@ class MLP(nn.Module):
 
 def mlp(size: str, batch: int, dropout: bool) -> Built:
     """A plain MLP (no paper; a compute-dense baseline). paper: 1024 inputs, three hidden layers of 8192,
-    1000 classes (142.6M params), dropout 0.1, batch 256. test: 512 inputs, three hidden of 1024, 10 classes."""
+    1000 classes (150.8M params), dropout 0.1, batch 256. test: 512 inputs, three hidden of 1024, 10 classes."""
     p = _p(dropout, 0.1)
     if size == "paper":
         dims, classes = (1024, 8192, 8192, 8192, 1000), 1000

@@ -1,0 +1,17 @@
+"""The benchmark scripts run (at their small size, as CI does) and report what the docs quote."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_foundation_benchmark_small() -> None:
+    out = subprocess.run([sys.executable, "benchmarks/foundation.py", "--small"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["capture_s"] > 0 and r["simulate_s"] > 0 and r["compare_wall_s"] > 0
+    full = json.loads((ROOT / "out/foundation.json").read_text())
+    assert {x["planner"] for x in full["compare"]["results"]} == {"single", "dp"}

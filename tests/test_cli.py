@@ -1,0 +1,191 @@
+"""The `fastt` command line, run as a user runs it: a subprocess per command, files written in a temp folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fastt.cluster import gpu_cluster
+
+_SCRIPT = Path(sys.executable).with_name("fastt")
+FASTT = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "fastt.cli"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+DYNAMIC_MODEL = '''
+import torch
+from torch import nn
+
+
+class Dynamic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: cannot be captured as one graph
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def make():
+    model = Dynamic()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, nn.functional.cross_entropy, opt, (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+'''
+
+
+def fastt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*FASTT, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def fastt_many(cases: dict[str, list[str]], cwd: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Several independent commands at once (each is mostly interpreter start-up and capture)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(fastt, *args, cwd=cwd) for k, args in cases.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+MLP = ["--model", "mlp", "--size", "test", "--cluster", "2xV100"]
+
+
+@pytest.mark.slow
+def test_compare_paper_models_json(tmp_path: Path) -> None:
+    models, planners = ["vgg19", "inception_v3", "bert-large"], ["single", "dp"]
+    t0 = time.perf_counter()
+    r = ok(fastt("compare", "--model", ",".join(models), "--cluster", "4xV100", "--planners", ",".join(planners),
+                 "--json", cwd=tmp_path))
+    wall = time.perf_counter() - t0
+    out = json.loads(r.stdout)  # one JSON object and nothing else
+    assert set(out) == {"cluster", "results"} and out["cluster"] == "4xV100"
+    rows = {(row["model"], row["planner"]): row for row in out["results"]}
+    assert set(rows) == {(m, p) for m in models for p in planners}
+    for row in rows.values():
+        assert isinstance(row["iteration_s"], float)
+        assert row["iteration_s"] >= row["lower_bound_s"] > 0
+        assert row["plan_s"] >= 0
+        assert isinstance(row["fits"], bool) and row["fits"]
+        assert row["splits"] == 0
+        mem = row["peak_memory_bytes"]
+        assert len(mem) == 4 and all(isinstance(b, int) and b >= 0 for b in mem)
+        assert row["speedup_over_dp"] > 0
+    for m in models:
+        single, dp = rows[m, "single"], rows[m, "dp"]
+        assert dp["speedup_over_dp"] == 1
+        assert dp["iteration_s"] < single["iteration_s"], m
+        assert single["speedup_over_dp"] == pytest.approx(dp["iteration_s"] / single["iteration_s"])
+        assert single["peak_memory_bytes"][1:] == [0, 0, 0]  # everything on device 0
+        assert len(set(dp["peak_memory_bytes"])) == 1  # replicas are alike
+    assert wall < 60, f"fastt compare took {wall:.1f} s for three paper-size models"
+
+
+def test_simulate_trace_gantt_and_saved_strategy(tmp_path: Path) -> None:
+    inline = ok(fastt("simulate", *MLP, "--planner", "dp", "--trace", "t.json", "--gantt", "g.png", "--json",
+                      cwd=tmp_path))
+    summary = json.loads(inline.stdout)
+    assert summary["planner"] == "dp" and summary["fits"] is True
+    assert summary["iteration_s"] >= summary["lower_bound_s"] > 0
+
+    trace = json.loads((tmp_path / "t.json").read_text())
+    events = trace["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert spans
+    for e in spans:
+        assert {"ts", "dur", "pid", "tid"} <= set(e), e
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    assert {e["tid"] for e in spans if e["pid"] == 0} == {0, 1}  # ops on both devices
+    assert any(e.get("cat") == "allreduce" for e in spans)
+    assert (tmp_path / "g.png").read_bytes()[:8] == PNG_MAGIC
+
+    ok(fastt("plan", *MLP, "--planner", "dp", "--out", "s.json", cwd=tmp_path))
+    assert json.loads((tmp_path / "s.json").read_text())["format"] == "fastt.strategy"
+    saved = json.loads(ok(fastt("simulate", *MLP, "--strategy", "s.json", "--json", cwd=tmp_path)).stdout)
+    assert saved["iteration_s"] == summary["iteration_s"]
+    assert saved["peak_memory_bytes"] == summary["peak_memory_bytes"]
+
+
+def test_not_fitting_names_device_and_bytes(tmp_path: Path) -> None:
+    base = gpu_cluster("v100", 2)
+    tiny = replace(base, name="tiny", devices=tuple(replace(d, name=f"tiny:{i}", memory_bytes=10**6)
+                                                    for i, d in enumerate(base.devices)))
+    tiny.save(tmp_path / "tiny.json")
+    args = ["--model", "mlp", "--size", "test", "--cluster", "tiny.json"]
+    r = fastt_many({"json": ["simulate", *args, "--json"], "human": ["simulate", *args],
+                    "table": ["compare", *args, "--planners", "single,dp"]}, tmp_path)
+    summary = json.loads(ok(r["json"]).stdout)
+    assert summary["fits"] is False
+    assert all(b > 10**6 for b in summary["peak_memory_bytes"])
+    assert len(summary["oom"]) == 2
+    bytes_ = r"\d+(\.\d+)? (GB|MB|kB)"
+    human = ok(r["human"]).stdout
+    assert "DOES NOT FIT" in human
+    assert re.search(rf"device 0 \(tiny:0\) needs {bytes_}, has 1\.0 MB", human), human
+    table = ok(r["table"]).stdout
+    assert re.search(r"^mlp +single .* NO ", table, re.M) and re.search(r"^mlp +dp .* NO ", table, re.M), table
+    assert re.search(rf"mlp/single does not fit: device 0 \(tiny:0\) needs {bytes_}", table), table
+    assert re.search(rf"mlp/dp does not fit: .*device 1 \(tiny:1\) needs {bytes_}", table), table
+
+
+BAD_INPUTS = {
+    "unknown model": (["plan", "--model", "resnet9000", "--cluster", "2xV100"], "unknown model 'resnet9000'"),
+    "malformed cluster": (["plan", *MLP[:4], "--cluster", "4xFOO"], "bad cluster spec '4xFOO'"),
+    "strategy not JSON": (["simulate", *MLP, "--strategy", "not_json.json"], "not valid JSON"),
+    "strategy unknown op": (["simulate", *MLP, "--strategy", "unknown_op.json"], "unknown op 'no_such_op'"),
+    "data-dependent model": (["plan", "--model", "dynamic.py:make", "--cluster", "2xV100"],
+                             "data-dependent"),
+    "data-dependent model, compare with progress": (
+        ["compare", "--model", "dynamic.py:make", "--cluster", "2xV100", "--planners", "single,dp"],
+        "data-dependent"),
+    "unknown planner": (["compare", *MLP, "--planners", "single,zzz"], "unknown planner 'zzz'"),
+    "unknown subcommand": (["frobnicate", "--model", "mlp"], "invalid choice: 'frobnicate'"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    d = tmp_path_factory.mktemp("bad")
+    (d / "not_json.json").write_text("placement: everything on gpu 0\n")
+    (d / "dynamic.py").write_text(DYNAMIC_MODEL)
+    ok(fastt("plan", *MLP, "--planner", "dp", "--out", "good.json", cwd=d))
+    strategy = json.loads((d / "good.json").read_text())
+    name = strategy["order"][0][-1]
+    strategy["placement"]["no_such_op"] = strategy["placement"].pop(name)
+    strategy["order"][0][-1] = "no_such_op"
+    (d / "unknown_op.json").write_text(json.dumps(strategy))
+    return fastt_many({k: args for k, (args, _) in BAD_INPUTS.items()}, d)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.CompletedProcess]) -> None:
+    r = bad_runs[case]
+    assert r.returncode == 2, f"exit {r.returncode}\nstderr:\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{r.stderr!r}"
+    assert lines[0].startswith("fastt: error: ")
+    assert BAD_INPUTS[case][1] in lines[0]
+    assert r.stdout == ""
+
+
+def test_demo_prints_single_and_dp(tmp_path: Path) -> None:
+    out = ok(fastt("demo", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
+    assert out.startswith("cluster 2xV100-nvlink: 2 x V100")
+    rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
+    assert [row[1] for row in rows] == ["single", "dp"]
+    assert all(row[-2] == "yes" for row in rows)
+    dp = rows[1]
+    assert dp[4] == "1.00x"
