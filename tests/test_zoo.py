@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from fastt.capture import capture_step
 from fastt.errors import FasttError
 from fastt.zoo import NAMES, Workload, default_batch, get
 
@@ -59,20 +60,8 @@ def train_step(w: Workload) -> torch.Tensor:
 
 
 def trace(w: Workload) -> torch.fx.GraphModule:
-    """fastt's capture in miniature: a functional SGD step traced with make_fx in fake mode."""
-    names = [n for n, _ in w.model.named_parameters()]
-    params = [p for _, p in w.model.named_parameters()]
-    bufs = dict(w.model.named_buffers())
-
-    def step(params, *batch):
-        def lf(ps):
-            out = functional_call(w.model, {**dict(zip(names, ps)), **bufs}, tuple(batch[:-1]))
-            return w.loss_fn(out, batch[-1])
-
-        grads, loss = torch.func.grad_and_value(lf)(params)
-        return loss, [p - 0.1 * g for p, g in zip(params, grads)]
-
-    return make_fx(functionalize(step), tracing_mode="fake")(params, *w.example_inputs)
+    """fastt's own capture of the whole training step."""
+    return capture_step(w.model, w.loss_fn, w.optimizer, w.example_inputs).gm
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -158,3 +147,8 @@ def test_bad_arguments(kwargs: dict) -> None:
     assert "\n" not in str(e.value)
     if "size" not in kwargs and "optimizer" not in kwargs and "batch" not in kwargs:
         assert all(n in str(e.value) for n in NAMES)
+
+
+def test_import_is_light() -> None:
+    code = "import sys, fastt.zoo; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

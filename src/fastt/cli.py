@@ -16,7 +16,7 @@ from . import api
 from .cluster import Cluster, cluster
 from .errors import FasttError
 from .graph import OpGraph
-from .plan import PLANNERS
+from .plan import PLANNERS, get_planner
 from .strategy import Strategy
 
 
@@ -54,7 +54,7 @@ def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGra
             model, loss_fn, opt, inputs = getattr(module, fn_name)()
         except FasttError:
             raise
-        except Exception as e:  # noqa: BLE001 - the user's file: report it in one line
+        except Exception as e:
             raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
         return api.capture(model, loss_fn, opt, inputs, name=Path(path).stem)
     from . import zoo
@@ -122,8 +122,8 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
                       f"{r['plan_s']:.2f}", mem, "yes" if r["fits"] else "NO", str(r["splits"])))
     widths = [max(len(x) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [f"cluster {cl.name}: {len(cl.devices)} x {cl.devices[0].kind}, "
-           f"{_gb(cl.devices[0].memory_bytes):g} GB each", fmt.format(*head)]
+    out = [(f"cluster {cl.name}: {len(cl.devices)} x {cl.devices[0].kind}, "
+           f"{_gb(cl.devices[0].memory_bytes):g} GB each"), fmt.format(*head)]
     out += [fmt.format(*line) for line in lines]
     out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in rows if not r["fits"]]
     return "\n".join(out)
@@ -133,8 +133,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
     planners = [p.strip() for p in a.planners.split(",")]
     for p in planners:
-        if p not in PLANNERS:
-            raise FasttError(f"unknown planner '{p}': available planners are {', '.join(PLANNERS)}")
+        get_planner(p)
     rows = compare([m.strip() for m in a.model.split(",")], cl, planners, a.size, a.batch, a.optimizer,
                    progress=not a.json)
     if a.json:
@@ -145,6 +144,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
 def cmd_plan(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
+    get_planner(a.planner)  # fail before the capture, which may take seconds
     graph = load_graph(a.model, a.size, a.batch, a.optimizer)
     strategy = api.plan(graph, cl, a.planner)
     if a.out:
@@ -159,12 +159,16 @@ def cmd_plan(a: argparse.Namespace) -> None:
 
 
 def cmd_simulate(a: argparse.Namespace) -> None:
-    from .report import write_gantt, write_trace
     from .plan import graph_for
+    from .report import write_gantt, write_trace
 
     cl = cluster(a.cluster)
+    # Read the strategy, or check the planner, before the capture, which may take seconds.
+    loaded = Strategy.load(a.strategy) if a.strategy else None
+    if loaded is None:
+        get_planner(a.planner)
     graph = load_graph(a.model, a.size, a.batch, a.optimizer)
-    strategy = Strategy.load(a.strategy) if a.strategy else api.plan(graph, cl, a.planner)
+    strategy = loaded or api.plan(graph, cl, a.planner)
     tl = api.simulate(graph, strategy, cl)
     g = graph_for(graph, strategy)
     if a.trace:

@@ -114,8 +114,11 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
 def fit_transfers(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b)."""
     a_mat = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], axis=1)
-    (a, b), *_ = np.linalg.lstsq(a_mat, np.asarray(seconds, dtype=float), rcond=None)
-    if b <= 0:
+    secs = np.asarray(seconds, dtype=float)
+    (a, b), *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
+    # Flat data fits a slope of rounding noise (~1e-26), which is no bandwidth: the line must rise measurably.
+    span = float(np.ptp(a_mat[:, 1])) if len(sizes) else 0.0
+    if not b * span > 1e-9 * np.abs(secs).max(initial=0.0):
         raise FasttError("transfer times did not grow with size: measure with larger sizes")
     return max(float(a), 0.0), 1.0 / float(b)
 

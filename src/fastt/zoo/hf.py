@@ -69,8 +69,8 @@ def _bert(size: str, batch: int, dropout: bool, large: bool) -> Built:
         hidden, layers, heads, length, vocab = (256, 2, 4, 64, 2000)
     config = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                            num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=512,
-                           hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=None)
-    config._attn_implementation = "eager"
+                           hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=None,
+                           attn_implementation="eager")
     model = LogitsOnly(tf.BertForMaskedLM(config), bert=True)
     ids = torch.randint(0, vocab, (batch, length))
     masked = torch.rand(batch, length) < MASK_FRACTION
@@ -106,8 +106,8 @@ def gpt2(size: str, batch: int, dropout: bool) -> Built:
         d, layers, heads, length, vocab = 256, 2, 4, 64, 2000
     config = tf.GPT2Config(vocab_size=vocab, n_positions=max(length, 1024), n_embd=d, n_layer=layers,
                            n_head=heads, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
-                           bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=None)
-    config._attn_implementation = "eager"
+                           bos_token_id=vocab - 1, eos_token_id=vocab - 1, pad_token_id=None,
+                           attn_implementation="eager")
     model = LogitsOnly(tf.GPT2LMHeadModel(config))
     tokens = torch.randint(0, vocab, (batch, length + 1))
     return model, cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

@@ -3,8 +3,9 @@
 Every builder here has the signature ``build(size, batch, dropout) -> (model, loss_fn, example_inputs)`` with
 ``example_inputs = (images, labels)``; the loss is cross entropy on class labels. ``size="paper"`` is the
 architecture as published (parameter counts match torchvision's reference implementations); ``size="test"``
-keeps the same topology at a reduced width and image size so one eager training step takes tens of
-milliseconds on a 2-core CPU. No model has data-dependent Python control flow.
+keeps the same topology (ResNet-200: fewer blocks) at a reduced width and image size so one eager training
+step takes tens of milliseconds on a 2-core CPU. No model has data-dependent Python control flow, and batch
+norms keep no running statistics (see :func:`_bn`), so the forward mutates no buffer.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class AlexNet(nn.Module):
 
 def alexnet(size: str, batch: int, dropout: bool) -> Built:
     """AlexNet. paper: 3x224x224, 1000 classes, channels 64-192-384-256-256, FC 4096-4096 (61.1M params),
-    batch 128 (the AlexNet paper's batch). test: 3x64x64, the full conv widths, FC 1024, 100 classes."""
+    batch 128 (the AlexNet paper's batch). test: 3x64x64, the full conv widths, FC 1024, 100 classes, batch 32."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return AlexNet(dropout=p), cross_entropy, _images(batch, 3, 224, 1000)
@@ -141,7 +142,7 @@ class VGG(nn.Module):
 
 def vgg19(size: str, batch: int, dropout: bool) -> Built:
     """VGG-19 (configuration E). paper: 3x224x224, 1000 classes, FC 4096 (143.7M params), batch 64.
-    test: 3x32x32, channels x1/4 (16..128), FC 512, 100 classes."""
+    test: 3x32x32, channels x1/4 (16..128), FC 512, 100 classes, batch 64."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return VGG(dropout=p), cross_entropy, _images(batch, 3, 224, 1000)
@@ -152,12 +153,8 @@ def vgg19(size: str, batch: int, dropout: bool) -> Built:
 
 
 def _bn(channels: int, eps: float = 1e-5) -> nn.BatchNorm2d:
-    """Batch norm that always normalizes with batch statistics and keeps no running statistics.
-
-    Tracking running mean/var would update buffers in place inside the forward, which the functional training
-    step capture (``torch.func.grad`` over ``functional_call``) rejects; training math is unchanged.
-    """
-    return nn.BatchNorm2d(channels, eps=eps, track_running_stats=False)
+    """Standard batch norm (running statistics updated in place during training, as eager does)."""
+    return nn.BatchNorm2d(channels, eps=eps)
 
 
 class Bottleneck(nn.Module):
@@ -214,7 +211,7 @@ class ResNet(nn.Module):
 
 def resnet50(size: str, batch: int, dropout: bool) -> Built:
     """ResNet-50 (blocks 3-4-6-3). paper: 3x224x224, 1000 classes (25.6M params), batch 64.
-    test: 3x64x64, base width 16 instead of 64, 100 classes. No dropout in ResNets."""
+    test: 3x64x64, base width 16 instead of 64, 100 classes, batch 16. No dropout in ResNets."""
     del dropout
     if size == "paper":
         return ResNet((3, 4, 6, 3)), cross_entropy, _images(batch, 3, 224, 1000)
@@ -225,7 +222,7 @@ def resnet200(size: str, batch: int, dropout: bool) -> Built:
     """ResNet-200 (blocks 3-24-36-3, He et al. 2016 "Identity mappings", here with post-activation blocks).
     paper: 3x224x224, 1000 classes (64.7M params), batch 32 (it is ~4x the compute of ResNet-50).
     test: blocks 3-8-12-3 (deeper than ResNet-50's test size, 3x shallower than paper), base width 16, 3x64x64,
-    100 classes."""
+    100 classes, batch 16."""
     del dropout
     if size == "paper":
         return ResNet((3, 24, 36, 3)), cross_entropy, _images(batch, 3, 224, 1000)
@@ -370,7 +367,7 @@ class InceptionV3(nn.Module):
 
 def inception_v3(size: str, batch: int, dropout: bool) -> Built:
     """Inception-v3 without the auxiliary head. paper: 3x299x299, 1000 classes (23.8M params), batch 64.
-    test: 3x75x75 (the smallest input the stride pattern allows), channels x1/4, 100 classes."""
+    test: 3x75x75 (the smallest input the stride pattern allows), channels x1/4, 100 classes, batch 32."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return InceptionV3(dropout=p), cross_entropy, _images(batch, 3, 299, 1000)
@@ -398,7 +395,8 @@ class MLP(nn.Module):
 
 def mlp(size: str, batch: int, dropout: bool) -> Built:
     """A plain MLP (no paper; a compute-dense baseline). paper: 1024 inputs, three hidden layers of 8192,
-    1000 classes (150.8M params), dropout 0.1, batch 256. test: 512 inputs, three hidden of 1024, 10 classes."""
+    1000 classes (150.8M params), dropout 0.1, batch 256. test: 512 inputs, three hidden of 1024,
+    10 classes, batch 256."""
     p = _p(dropout, 0.1)
     if size == "paper":
         dims, classes = (1024, 8192, 8192, 8192, 1000), 1000

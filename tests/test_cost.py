@@ -1,0 +1,175 @@
+"""Costs: roofline estimates, fitted transfer links, measured op times and their cost files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastt
+from fastt import zoo
+from fastt.cluster import CPU_COPY_BANDWIDTH, Cluster, cluster, cpu_cluster, gpu_cluster
+from fastt.cost import MeasuredCosts, calibrate_cpu, fit_transfers, op_times, roofline_time
+from fastt.errors import FasttError
+from fastt.graph import ALLREDUCE, BUFFER, COMPUTE, INPUT, PARAM, STATE, UPDATE, Op, OpGraph
+
+V100 = gpu_cluster("v100", 1).devices[0]
+
+
+def matmul(m: int, k: int, n: int) -> Op:
+    """An (m, k) @ (k, n) fp32 matmul: 2mkn FLOPs, reads both operands and writes the result."""
+    return Op("mm", COMPUTE, "aten.mm.default", flops=2.0 * m * k * n, io_bytes=4 * (m * k + k * n + m * n),
+              signature="mm")
+
+
+def test_roofline_compute_bound_matmul() -> None:
+    op = matmul(4096, 4096, 4096)
+    flops, nbytes = 2 * 4096**3, 4 * 3 * 4096**2
+    assert V100.flops == 15.7e12 and V100.mem_bandwidth == 900e9 and V100.op_overhead_s == 5e-6
+    assert flops / 15.7e12 > nbytes / 900e9
+    assert roofline_time(op, V100) == pytest.approx(5e-6 + flops / 15.7e12, rel=1e-12)
+
+
+def test_roofline_memory_bound_matmul() -> None:
+    op = matmul(65536, 4, 4)  # a skinny matmul streams far more bytes than it computes
+    flops, nbytes = 2 * 65536 * 4 * 4, 4 * (65536 * 4 + 16 + 65536 * 4)
+    assert nbytes / 900e9 > flops / 15.7e12
+    assert roofline_time(op, V100) == pytest.approx(5e-6 + nbytes / 900e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", [PARAM, STATE, BUFFER, INPUT, ALLREDUCE])
+def test_roofline_free_kinds(kind: str) -> None:
+    op = Op("r", kind, kind, out_bytes=1 << 30, flops=1e12, io_bytes=1 << 30)
+    assert roofline_time(op, V100) == 0.0
+
+
+def test_roofline_empty_op_costs_the_launch() -> None:
+    assert roofline_time(Op("v", COMPUTE, "view"), V100) == V100.op_overhead_s
+
+
+# -------------------------------------------------------------------------------------------- transfer fitting
+
+
+@pytest.mark.parametrize(("a", "bandwidth"), [(5e-6, 12e9), (0.0, 25e9), (2e-3, 1e6)])
+def test_fit_transfers_recovers_the_line(a: float, bandwidth: float) -> None:
+    sizes = [2**12, 2**16, 2**20, 2**22, 2**24]
+    secs = [a + s / bandwidth for s in sizes]
+    lat, bw = fit_transfers(sizes, secs)
+    assert lat == pytest.approx(a, rel=1e-6, abs=1e-12)
+    assert bw == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_fit_transfers_clamps_negative_latency() -> None:
+    lat, bw = fit_transfers([1e3, 1e6], [1e-9, 1e-3 + 1e-9 - 2e-6])
+    assert lat == 0.0 and bw > 0
+
+
+@pytest.mark.parametrize(("sizes", "secs"), [
+    ([1e3, 1e5, 1e7], [1e-3, 1e-3, 1e-3]),  # flat: lstsq finds a slope of ~1e-26, not a bandwidth of 1e25 B/s
+    ([1e3, 1e5, 1e7], [3e-3, 2e-3, 1e-3]),
+    ([1e6, 1e6], [1e-3, 2e-3]),  # one size: no slope to fit
+    ([], []),
+])
+def test_fit_transfers_rejects_non_increasing(sizes: list[float], secs: list[float]) -> None:
+    with pytest.raises(FasttError, match="did not grow with size"):
+        fit_transfers(sizes, secs)
+
+
+# ------------------------------------------------------------------------------------------------ measured costs
+
+
+@pytest.fixture(scope="module")
+def mlp() -> tuple[zoo.Workload, OpGraph, MeasuredCosts, dict[str, torch.Tensor]]:
+    w = zoo.get("mlp", "test", dropout=False)
+    g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    costs = fastt.measure(g, w.model, w.optimizer, w.example_inputs, threads=1, runs=3, progress=False)
+    return w, g, costs, before
+
+
+def test_measure_times_every_op(mlp) -> None:
+    w, g, costs, before = mlp
+    assert costs.kind == "cpu" and costs.threads == 1
+    timed = [op for op in g.ops if op.kind in (COMPUTE, UPDATE)]
+    assert timed and any(op.kind == UPDATE for op in timed)
+    for op in timed:
+        assert op.signature, op.name
+        assert costs.seconds[op.signature] > 0, op.name
+    assert set(costs.seconds) <= {op.signature for op in g.ops}
+    after = w.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model was not trained by measuring
+
+
+def test_measure_needs_a_captured_graph() -> None:
+    with pytest.raises(FasttError, match="not captured"):
+        fastt.cost.measure(OpGraph(ops=()), [])
+
+
+def test_measured_costs_round_trip(tmp_path: Path, mlp) -> None:
+    costs = mlp[2]
+    costs.save(tmp_path / "costs.json")
+    assert json.loads((tmp_path / "costs.json").read_text())["format"] == "fastt.costs"
+    assert MeasuredCosts.load(tmp_path / "costs.json") == costs
+
+
+CORRUPT = ["{not json", '{"kind": "cpu", "threads": 1}', '{"kind": "cpu", "threads": 1, "seconds": {"mm": "x"}}', "[]"]
+
+
+@pytest.mark.parametrize("text", CORRUPT)
+def test_corrupt_cost_file(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(text)
+    with pytest.raises(FasttError, match="cannot read cost file .*costs.json.*measure again"):
+        MeasuredCosts.load(path)
+
+
+def test_missing_cost_file(tmp_path: Path) -> None:
+    with pytest.raises(FasttError, match="cannot read cost file"):
+        MeasuredCosts.load(tmp_path / "absent.json")
+
+
+def test_op_times_measured_on_cpu_roofline_elsewhere(mlp) -> None:
+    g, costs = mlp[1], mlp[2]
+    cpu, gpu = cpu_cluster(1).devices[0], V100
+    mixed = Cluster("mixed", (cpu, gpu))
+    t = op_times(g, mixed, costs)
+    assert t.shape == (len(g.ops), 2)
+    for i, op in enumerate(g.ops):
+        if op.signature in costs.seconds:
+            assert t[i, 0] == costs.seconds[op.signature]
+        else:
+            assert t[i, 0] == roofline_time(op, cpu)
+        assert t[i, 1] == roofline_time(op, gpu)
+    assert np.array_equal(op_times(g, mixed), np.array([[roofline_time(op, d) for d in (cpu, gpu)] for op in g.ops]))
+    other = MeasuredCosts("cuda", 1, costs.seconds)  # measured on another kind: not used for cpu
+    assert np.array_equal(op_times(g, mixed, other), op_times(g, mixed))
+
+
+def test_op_times_falls_back_for_unmeasured_shapes() -> None:
+    op = matmul(64, 64, 64)
+    g = OpGraph(ops=(op, Op("other", COMPUTE, "add", flops=1e6, io_bytes=1 << 20, signature="add")))
+    cl = cpu_cluster(1)
+    t = op_times(g, cl, MeasuredCosts("cpu", 1, {"mm": 0.25}))
+    assert t[0, 0] == 0.25
+    assert t[1, 0] == roofline_time(g.ops[1], cl.devices[0])
+
+
+def test_calibrate_cpu() -> None:
+    before = cluster("cpu:2")
+    after = calibrate_cpu(before)
+    assert len(after.devices) == 2 and after.routes == before.routes
+    for d in after.devices:
+        assert d.kind == "cpu"
+        assert d.flops > 1e8 and d.mem_bandwidth > 1e7 and d.op_overhead_s > 0
+        assert np.isfinite([d.flops, d.mem_bandwidth, d.op_overhead_s]).all()
+    assert [lk.name for lk in after.links] == [lk.name for lk in before.links]
+    assert all(lk.bandwidth > 0 and lk.latency >= 0 for lk in after.links)
+    assert any(lk.bandwidth != CPU_COPY_BANDWIDTH for lk in after.links)  # refit, not the nominal value
+
+
+def test_calibrate_cpu_leaves_gpus_alone() -> None:
+    gpus = gpu_cluster("v100", 2)
+    assert calibrate_cpu(gpus).devices == gpus.devices
