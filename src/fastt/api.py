@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -56,8 +56,7 @@ def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:
-    object.__setattr__(g, "recapture", fn)
-    return g
+    return dataclasses.replace(g, recapture=fn)
 
 
 def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "dp") -> Strategy:
@@ -95,10 +94,3 @@ def simulate(graph: OpGraph, strategy: Strategy, cluster_spec: str | Cluster,
     times = op_times(g, cl, measured)
     lb = lower_bound(graph, op_times(graph, cl, measured), len(cl.devices))
     return _simulate(g, strategy, cl, times, lower_bound_s=lb)
-
-
-def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
-    """fn(*args, **kwargs) and the seconds it took."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

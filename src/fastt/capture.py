@@ -4,9 +4,9 @@ The step is written functionally and traced with `make_fx(functionalize(...), tr
 
     step(params, buffers, states, *batch) -> (loss, grads, new_params, new_states)
 
-Gradients come from `torch.func.grad_and_value`; the update is torch.optim's own single-tensor update run on
-clones of the parameters and state (functionalize turns its in-place ops into pure ones), with the optimizer's
-hyperparameters baked in as constants. Buffers (batch-norm running stats) are updated in place, exactly as
+Gradients come from `torch.func.grad_and_value`; the update repeats torch.optim's default single-tensor
+update op for op on clones of the parameters and state (functionalize turns its in-place ops into pure ones),
+with the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers (batch-norm running stats) are updated in place, exactly as
 eager mode does. `Step.run` executes the captured graph on real tensors and writes the results back into the
 model and the optimizer, so the model's parameters and the optimizer's state stay the truth.
 """
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call, functionalize
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -238,7 +237,3 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     batch = int(example_inputs[0].shape[0]) if example_inputs[0].dim() else 1
     return Step(gm=gm, param_names=names, buffer_names=buffer_names, state_keys=state_keys, roles=roles,
                 outputs=outputs, batch=batch, signature=_signature(model, optimizer, example_inputs))
-
-
-def fake_mode_of(tensors: Sequence[torch.Tensor]) -> FakeTensorMode | None:
-    return detect_fake_mode(tuple(tensors))

@@ -70,9 +70,6 @@ class Cluster:
         links = [self.links[k] for k in self.routes[src, dst]]
         return sum(lk.latency for lk in links) + nbytes / min(lk.bandwidth for lk in links)
 
-    def max_transfer_time(self, nbytes: float) -> float:
-        """The slowest transfer of nbytes between any two devices (0 with one device)."""
-        return max((self.transfer_time(i, j, nbytes) for i, j in self.routes), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON file form of this cluster (what `cluster(path)` reads back into an equal Cluster)."""

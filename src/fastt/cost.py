@@ -149,8 +149,11 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
     """The cluster with its CPU devices' speeds and copy links measured on this machine.
 
     FLOP/s from a 1024² matmul, memory bandwidth and link `latency + bytes/bandwidth` from copies fitted by least
-    squares, op overhead from a tiny op, each with the device's share of the cores.
+    squares, op overhead from a tiny op, each with the device's share of the cores. A cluster that is not all
+    CPU worker devices is returned unchanged: its links are not copies in this process.
     """
+    if any(d.kind != "cpu" for d in cluster.devices):
+        return cluster
     n = len(cluster.devices)
     threads = max(1, torch.get_num_threads() // n)
     old = torch.get_num_threads()
@@ -166,8 +169,9 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
         torch.set_num_threads(old)
     sizes, secs = measure_copies(threads=threads)
     latency, bandwidth = fit_transfers(sizes, secs)
+    # A copy of n bytes reads n and writes n: memory moves twice the copied bytes.
     devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead)
-                    if d.kind == "cpu" else d for d in cluster.devices)
+                    for d in cluster.devices)
     links = tuple(Link(lk.name, bandwidth, latency) for lk in cluster.links)
     return replace(cluster, devices=devices, links=links)
 

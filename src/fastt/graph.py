@@ -8,7 +8,7 @@ and refer to their producers by index.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -105,11 +105,6 @@ class OpGraph:
             kinds[op.kind] = kinds.get(op.kind, 0) + 1
         return {"ops": len(self.ops), "edges": sum(len(op.inputs) for op in self.ops),
                 "flops": sum(op.flops for op in self.ops), "resident_bytes": self.resident_bytes(), **kinds}
-
-
-def build(ops: Iterable[Op], **kw) -> OpGraph:
-    """An OpGraph from ops already in topological order (a convenience for tests and passes)."""
-    return OpGraph(ops=tuple(ops), **kw)
 
 
 def chain_lengths(graph: OpGraph, weight: Sequence[float]) -> list[float]:
