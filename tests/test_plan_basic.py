@@ -20,7 +20,7 @@ from fastt.cost import op_times
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, BUFFER, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, Op, OpGraph, replicate
 from fastt.plan import PLANNERS, get_planner, graph_for
-from fastt.plan.basic import strategy_from
+from fastt.plan.common import strategy_from
 from fastt.simulate import simulate as simulate_graph
 
 

@@ -168,11 +168,15 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
         sig = hashlib.sha1("|".join(shapes).encode()).hexdigest()[:16] if shapes else ""
         head = next((n for n in nodes if n.op == "call_function" and n.target not in ALIAS), nodes[0])
         target = "update" if k == UPDATE else str(head.target) if head.op == "call_function" else "placeholder"
+        order = list(reads)
+        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and group[a] != gname else -1
+                           for a in head.args) if head.op == "call_function" else ()
         index[gname] = len(ops)
         ops.append(Op(name=gname, kind=k, target=target, inputs=inputs,
                       in_bytes=tuple(sum(r.values()) for r in reads.values()), out_bytes=out_bytes,
                       flops=flops, io_bytes=io, nodes=tuple(n.name for n in nodes), updates=updated,
-                      batch=batch, signature=sig))
+                      batch=batch, signature=sig, head=head.name if head.op == "call_function" else "",
+                      arg_inputs=arg_inputs))
     return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
                    fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
 

@@ -42,6 +42,8 @@ class Op:
     updates: tuple[int, ...] = ()
     batch: bool = False
     signature: str = ""
+    head: str = ""  # the fx node of the op's main aten call ("" for residents, inputs, hand-built ops)
+    arg_inputs: tuple[int, ...] = ()  # per positional arg of `head`: its position in `inputs`, or -1
 
 
 @dataclass(frozen=True)

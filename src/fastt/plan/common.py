@@ -1,0 +1,73 @@
+"""What every planner shares: the costs it plans with, static memory per op, and building the Strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cluster import Cluster
+from ..cost import MeasuredCosts, op_times
+from ..graph import ALLREDUCE, RESIDENT, OpGraph
+from ..strategy import Strategy
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """Op times per device (`times[i, d]`), and for each edge the largest transfer time over device pairs."""
+
+    times: np.ndarray
+    cluster: Cluster
+
+    def transfer(self, src: int, dst: int, nbytes: float) -> float:
+        return self.cluster.transfer_time(src, dst, nbytes)
+
+    def max_transfer(self, nbytes: float) -> float:
+        """The slowest transfer of nbytes between two distinct devices (0 on one device)."""
+        n = len(self.cluster.devices)
+        return max((self.transfer(s, d, nbytes) for s in range(n) for d in range(n) if s != d), default=0.0)
+
+
+def plan_costs(g: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> PlanCosts:
+    return PlanCosts(times=op_times(g, cluster, measured), cluster=cluster)
+
+
+def memory_of(g: OpGraph) -> list[int]:
+    """Static bytes each op pins on its device when planning (Baechi's model: outputs are never freed; a resident
+    counts on the device of the op that updates it, or else of its first reader)."""
+    return [op.out_bytes for op in g.ops]
+
+
+def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[int],
+                  start: Sequence[float] | None = None, replicas: int = 1,
+                  holders: dict[str, tuple[int, ...]] | None = None) -> Strategy:
+    """A Strategy running each placed op of `g` on `device_of[i]`, each device's ops sorted by `start[i]`
+    (by default the graph's topological order).
+
+    By default a resident is held on the devices of the ops that update it (so each holder applies the update);
+    one nobody updates is held where it is read.
+    """
+    order: list[list[int]] = [[] for _ in range(n_devices)]
+    placement: dict[str, int] = {}
+    readers: dict[int, set[int]] = {}
+    writers: dict[int, set[int]] = {}
+    for i, op in enumerate(g.ops):
+        if op.kind in RESIDENT or op.kind == ALLREDUCE:
+            continue
+        d = int(device_of[i])
+        placement[op.name] = d
+        order[d].append(i)
+        for j in op.inputs:
+            if g.ops[j].kind in RESIDENT:
+                readers.setdefault(j, set()).add(d)
+        for j in op.updates:
+            writers.setdefault(j, set()).add(d)
+    if start is not None:
+        for o in order:
+            o.sort(key=lambda i: (start[i], i))
+    if holders is None:
+        holders = {g.ops[j].name: tuple(sorted(writers.get(j) or readers.get(j) or {0})) for j in g.residents}
+    return Strategy(planner=planner, n_devices=n_devices, placement=placement,
+                    order=tuple(tuple(g.ops[i].name for i in o) for o in order), holders=holders,
+                    replicas=replicas)
