@@ -30,7 +30,7 @@ def good(**changes: object) -> Strategy:
 
 
 def test_json_round_trip(tmp_path: Path) -> None:
-    s = good(replicas=1, splits=(Split("a", 0, 2),))
+    s = good(replicas=1, splits=(Split("a", "batch", 2),))
     assert Strategy.from_json(s.to_json()) == s
     s.save(tmp_path / "s.json")
     assert Strategy.load(tmp_path / "s.json") == s
@@ -59,7 +59,7 @@ def test_malformed_files(text: str, message: str) -> None:
     ("placement", {"a": "0"}, "placement must map op names to device indices"),
     ("order", [["a"], "c"], "order must be a list"),
     ("holders", {"w": 0}, "holders must map op names to lists"),
-    ("splits", [{"op": "a", "dim": 0}], 'splits\\[\\] has no field "parts"'),
+    ("splits", [{"op": "a", "dim": "batch"}], 'splits\\[\\] has no field "parts"'),
 ])
 def test_missing_or_mistyped_fields(field: str, value: object, message: str) -> None:
     obj = json.loads(good().to_json())
@@ -90,7 +90,6 @@ def test_unreadable_file(tmp_path: Path) -> None:
     ({"order": (("a", "b", "u"), ("c",))}, "'d' is placed on device 1 but missing from order on device 1"),
     ({"order": (("a", "b", "u", "w"), ("c", "d"))}, "order on device 0 lists 'w', which is a param op"),
     ({"order": (("a", "b", "u"), ("d", "c"))}, "order on device 1 runs 'd' before 'c' but 'd' depends on 'c'"),
-    ({"splits": (Split("a", 0, 2),)}, "operation splitting is not supported yet: split of 'a'"),
     ({"replicas": 2}, "strategy is for 2 replica"),
     ({"placement": {"a": 1, "b": 1, "c": 1, "d": 1, "u": 1}, "order": ((), ("a", "b", "c", "d", "u"))},
      "update 'u' on device 1 writes 'w', but device 1 does not hold it"),

@@ -23,10 +23,10 @@ FORMAT, VERSION = "fastt.strategy", 1
 
 @dataclass(frozen=True)
 class Split:
-    """Op `op` split into `parts` sub-ops along dimension `dim` (OS-DPOS; not supported by the simulator yet)."""
+    """Op `op` split into `parts` sub-ops along the named dimension `dim` of its split rule (OS-DPOS)."""
 
     op: str
-    dim: int
+    dim: str
     parts: int
 
 
@@ -77,7 +77,7 @@ class Strategy:
         if obj.get("version") != VERSION:
             raise FasttError(f"strategy version {obj.get('version')!r} is not supported (this fastt reads "
                              f"version {VERSION}); re-plan to write a current one")
-        splits = [Split(op=_get(s, "op", str, "splits[]"), dim=_get(s, "dim", int, "splits[]"),
+        splits = [Split(op=_get(s, "op", str, "splits[]"), dim=_get(s, "dim", str, "splits[]"),
                         parts=_get(s, "parts", int, "splits[]")) for s in _get(obj, "splits", list)]
         placement = _get(obj, "placement", dict)
         order = _get(obj, "order", list)
@@ -107,11 +107,8 @@ class Strategy:
         return cls.from_json(text)
 
     def validate(self, g: OpGraph) -> None:
-        """Raise FasttError naming the first problem that keeps this strategy from running `g`."""
-        if self.splits:
-            s = self.splits[0]
-            raise FasttError(f"operation splitting is not supported yet: split of '{s.op}' along dim {s.dim} "
-                             f"into {s.parts} parts; plan without splits")
+        """Raise FasttError naming the first problem that keeps this strategy from running `g` (the graph with
+        the strategy's replication and splits applied: see fastt.plan.graph_for)."""
         if g.replicas != self.replicas:
             raise FasttError(f"strategy is for {self.replicas} replica(s) but the graph has {g.replicas}; "
                              f"apply it to replicate(graph at batch/{self.replicas}, {self.replicas})")

@@ -9,12 +9,14 @@ from ..errors import FasttError
 from ..graph import OpGraph, data_parallel_graph
 from ..strategy import Strategy
 from .basic import data_parallel, single_device
+from .dpos import dpos
 
 Planner = Callable[[OpGraph, Cluster], Strategy]
 
 PLANNERS: dict[str, Planner] = {
     "single": single_device,
     "dp": data_parallel,
+    "dpos": dpos,
 }
 
 

@@ -34,9 +34,30 @@ def plan_costs(g: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = No
 
 
 def memory_of(g: OpGraph) -> list[int]:
-    """Static bytes each op pins on its device when planning (Baechi's model: outputs are never freed; a resident
-    counts on the device of the op that updates it, or else of its first reader)."""
-    return [op.out_bytes for op in g.ops]
+    """Bytes each op is charged on its device when planning: its output if that output is live at the peak of
+    a run in graph order, else 0. Residents (params, state, buffers) are charged by the planners where they live.
+
+    Charging every output for the whole step (Baechi's static model) counts each backward temporary as if it
+    lived forever and overstates a training step's memory several times over; charging the outputs live at the
+    single-device peak reproduces that peak when the plan is one device, and is an estimate otherwise (the
+    simulator measures the real peak of every plan).
+    """
+    n = len(g.ops)
+    last = list(range(n))
+    for i, op in enumerate(g.ops):
+        for j in op.inputs:
+            last[j] = max(last[j], i)
+    frees: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        frees[last[i]].append(i)
+    live, peak, at = 0, -1, 0
+    for i, op in enumerate(g.ops):
+        if op.kind not in RESIDENT:
+            live += op.out_bytes
+        if live > peak:
+            peak, at = live, i
+        live -= sum(g.ops[j].out_bytes for j in frees[i] if g.ops[j].kind not in RESIDENT)
+    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0 for i, op in enumerate(g.ops)]
 
 
 def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[int],
