@@ -1,4 +1,4 @@
-"""Runs the foundation benchmarks and writes their numbers to out/foundation.json and docs/benchmarks.md.
+"""Runs the foundation benchmarks and writes their numbers to out/foundation.json and docs/foundation.md.
 
 Usage: .venv/bin/python benchmarks/foundation.py [--small]   (--small: what CI runs, a few seconds)
 """
@@ -37,7 +37,7 @@ def main() -> None:
     (ROOT / "out").mkdir(exist_ok=True)
     (ROOT / "out/foundation.json").write_text(json.dumps(result, indent=1))
     if not a.small:
-        (ROOT / "docs/benchmarks.md").write_text(render(result, " ".join(["fastt", *cmp_cmd[1:]])))
+        (ROOT / "docs/foundation.md").write_text(render(result, " ".join(["fastt", *cmp_cmd[1:]])))
     print(json.dumps({"capture_s": capture["total_s"], "rss_gib": capture["max_rss_gib"],
                       "simulate_s": sim["seconds"], "compare_wall_s": compare_s}))
 

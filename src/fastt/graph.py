@@ -44,6 +44,7 @@ class Op:
     signature: str = ""
     head: str = ""  # the fx node of the op's main aten call ("" for residents, inputs, hand-built ops)
     arg_inputs: tuple[int, ...] = ()  # per positional arg of `head`: its position in `inputs`, or -1
+    split: tuple[str, int, int] | tuple[()] = ()  # (dim name, part index, parts) for a part of a split op
 
 
 @dataclass(frozen=True)

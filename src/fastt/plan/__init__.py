@@ -7,16 +7,25 @@ from collections.abc import Callable
 from ..cluster import Cluster
 from ..errors import FasttError
 from ..graph import OpGraph, data_parallel_graph
+from ..split import split
 from ..strategy import Strategy
+from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
 from .dpos import dpos
+from .heft import heft
+from .osdpos import fastt_planner
 
 Planner = Callable[[OpGraph, Cluster], Strategy]
 
 PLANNERS: dict[str, Planner] = {
+    "fastt": fastt_planner,
     "single": single_device,
     "dp": data_parallel,
     "dpos": dpos,
+    "m-topo": m_topo,
+    "m-etf": m_etf,
+    "m-sct": m_sct,
+    "heft": heft,
 }
 
 
@@ -28,5 +37,8 @@ def get_planner(name: str) -> Planner:
 
 
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph` itself, or its data-parallel replication."""
-    return data_parallel_graph(graph, strategy.replicas)
+    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits."""
+    g = data_parallel_graph(graph, strategy.replicas)
+    for s in strategy.splits:
+        g = split(g, s.op, s.dim, s.parts)
+    return g

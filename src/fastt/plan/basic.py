@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..cluster import Cluster
-from ..graph import OpGraph, data_parallel_graph
+from ..graph import UPDATE, OpGraph, data_parallel_graph
 from ..strategy import Strategy
 from .common import strategy_from
 
@@ -19,5 +19,8 @@ def data_parallel(graph: OpGraph, cluster: Cluster) -> Strategy:
     g = data_parallel_graph(graph, n)
     device_of = [int(op.name[1:op.name.index("/")]) if op.name.startswith("r") and "/" in op.name else 0
                  for op in g.ops]
-    return strategy_from(g, "dp", n, device_of, replicas=n,
+    # As DistributedDataParallel does: the optimizer steps after the whole backward pass, so a device never
+    # waits on an allreduce while backward work is left.
+    last = [float(op.kind == UPDATE) for op in g.ops]
+    return strategy_from(g, "dp", n, device_of, start=last, replicas=n,
                          holders={g.ops[j].name: tuple(range(n)) for j in g.residents})

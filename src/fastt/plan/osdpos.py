@@ -62,7 +62,7 @@ def os_dpos(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S
     tl = simulate(g, best, cluster, op_times(g, cluster))
     times = op_times(g, cluster)
     cp = [g.index[name] for name in tl.critical_path if name in g.index]
-    cp = sorted({i for i in cp if splittable(g.ops[i])}, key=lambda i: -times[i].max())
+    cp = sorted({i for i in cp if splittable(g.ops[i], g)}, key=lambda i: -times[i].max())
     splits: list[Split] = []
     makespan = max(schedule(g, PlanCosts(times, cluster)).finish)
     for i in cp:
@@ -70,7 +70,7 @@ def os_dpos(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S
         if name not in g.index:
             continue
         found = None
-        for dim in splittable(g.ops[g.index[name]]):
+        for dim in splittable(g.ops[g.index[name]], g):
             for parts in range(2, n + 1):
                 if time.perf_counter() > deadline:
                     return _finish(best, splits)

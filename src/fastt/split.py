@@ -1,0 +1,437 @@
+"""Operation splitting (OS-DPOS): how each aten op splits, running a split exactly, and the graph pass.
+
+`RULES` is the table: for each aten op, the named dimensions it splits along, each a `SplitSpec` saying which
+dim of each positional argument is sliced, and how each output is joined (concatenated, or summed when the split
+dim is reduced, as a weight gradient split along the batch is). `run_split` executes a rule on real tensors (what
+the runtime runs); `split` rewrites an OpGraph so that one op becomes `parts` sub-ops and a join.
+
+Batch norm in training mode is split along channels only: its statistics are taken over the batch, so parts of
+the batch would normalise with different means. `nll_loss_forward` with reduction="mean" (what cross-entropy
+captures) is left out: its parts' means would have to be reweighted by each part's total weight, which is
+neither a concatenation nor a sum; its backward, which reads the whole step's total weight, splits exactly.
+Random ops (dropout's `bernoulli`) are left out: parts would draw different numbers than the whole op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .errors import FasttError
+from .graph import COMPUTE, Op, OpGraph
+
+aten = torch.ops.aten
+
+
+class Bcast(NamedTuple):
+    """Slice along output dim `dim`, the argument aligned right against the output's rank (broadcasting):
+    an argument without that dim, or of size 1 there, goes whole to every part."""
+
+    dim: int
+
+
+ArgDim = int | Bcast | None
+Valid = Callable[[Sequence[Any], dict[str, Any]], bool]
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """How one aten op splits along one named dimension.
+
+    `args[k]`: the dim positional arg k is sliced along, a `Bcast`, or None (every part gets it whole; args past
+    the end and non-tensor args are whole too). `outs[k]`: ("cat", dim) or ("sum",) for output k.
+    `sizes`: (arg position, list index) entries set to the part's length (convolution_backward's bias_sizes).
+    `later`: keyword args set on every part but the first (a bias added once: beta=0).
+    `valid(args, kwargs)`: whether the split is exact for these arguments (real or fake tensors).
+    """
+
+    args: tuple[ArgDim, ...]
+    outs: tuple[tuple, ...]
+    sizes: tuple[tuple[int, int], ...] = ()
+    later: tuple[tuple[str, object], ...] = ()
+    valid: Valid | None = None
+
+
+def _arg(args: Sequence[Any], pos: int, default: Any = None) -> Any:
+    return args[pos] if pos < len(args) else default
+
+
+def _rank(args: Sequence[Any]) -> int:
+    return max((a.dim() for a in args if isinstance(a, torch.Tensor)), default=0)
+
+
+def _norm(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _not_reduced(d: int, arg: int) -> Valid:
+    """Valid when the dim named by positional arg `arg` (softmax's dim) is not `d`."""
+    return lambda a, kw: _norm(a[arg], a[0].dim()) != d
+
+
+def _before_reduced(d: int) -> Valid:
+    """Valid when every dim reduced by mean/sum (arg 1; None = all) comes after `d`."""
+    return lambda a, kw: all(_norm(r, a[0].dim()) > d for r in (_arg(a, 1) or range(a[0].dim())))
+
+
+def _is(pos: int, value: object, default: object) -> Valid:
+    return lambda a, kw: _arg(a, pos, default) == value
+
+
+def _all(*checks: Valid) -> Valid:
+    return lambda a, kw: all(c(a, kw) for c in checks)
+
+
+_DIMS = (("batch", 0), ("dim1", 1))
+_PLAIN_CONV = _all(_is(6, False, False), _is(8, 1, 1))  # not transposed, groups == 1
+_PLAIN_CONV_BWD = _all(_is(7, False, False), _is(9, 1, 1))
+
+
+def _elementwise() -> dict[str, SplitSpec]:
+    """Any dim of the (broadcast) output: every tensor arg sliced where it has that dim."""
+    return {name: SplitSpec(args=(Bcast(d),) * 4, outs=(("cat", d),)) for name, d in _DIMS}
+
+
+def _rowwise(tensors: Sequence[int], reduced_arg: int) -> dict[str, SplitSpec]:
+    """Softmax-like ops: any dim but the one they reduce, named by positional arg `reduced_arg`."""
+    return {name: SplitSpec(args=tuple(d if k in tensors else None for k in range(max(tensors) + 1)),
+                            outs=(("cat", d),), valid=_not_reduced(d, reduced_arg)) for name, d in _DIMS}
+
+
+def _pool(tensors: Sequence[int], n_outs: int) -> dict[str, SplitSpec]:
+    """2-d pooling and its backward on NCHW: batch or channel (each plane pools alone; max pool's indices are
+    within a plane)."""
+    return {name: SplitSpec(args=tuple(d if k in tensors else None for k in range(max(tensors) + 1)),
+                            outs=(("cat", d),) * n_outs, valid=lambda a, kw: a[0].dim() == 4)
+            for name, d in (("batch", 0), ("channel", 1))}
+
+
+def _layer_norm_ok(d: int, shape_arg: int, data_arg: int) -> Valid:
+    """Layer norm normalises the trailing dims named by `normalized_shape`: split only the leading ones."""
+    return lambda a, kw: d < a[data_arg].dim() - len(a[shape_arg])
+
+
+def _matmul(bias: bool, batched: bool) -> dict[str, SplitSpec]:
+    """mm / addmm / bmm / baddbmm: (b)atch, rows of the left matrix, cols of the right, or the reduction dim."""
+    o = 1 if batched else 0  # offset of the matrix dims
+
+    def spec(bias_dim: ArgDim, left: ArgDim, right: ArgDim, out: tuple, **kw: Any) -> SplitSpec:
+        return SplitSpec(args=((bias_dim,) if bias else ()) + (left, right), outs=(out,), **kw)
+    rules = {
+        "rows": spec(Bcast(o), o, None, ("cat", o)),
+        "cols": spec(Bcast(o + 1), None, o + 1, ("cat", o + 1)),
+        # Parts' products sum to the whole; a bias joins only the first part (beta=0 drops it from the rest).
+        "reduction": spec(None, o + 1, o, ("sum",), later=(("beta", 0),) if bias else ()),
+    }
+    if batched:
+        rules["batch"] = spec(Bcast(0), 0, 0, ("cat", 0))
+    return rules
+
+
+_BN = (0, 1, 2, 3, 4)  # native_batch_norm: input, weight, bias, running_mean, running_var
+_BATCH_NORM = {
+    # Channels normalise independently: slice the activations along dim 1 and per-channel tensors along dim 0.
+    "channel": SplitSpec(args=(1, 0, 0, 0, 0), outs=(("cat", 1), ("cat", 0), ("cat", 0))),
+    # Along the batch only in eval mode, where the running statistics are read, not computed.
+    "batch": SplitSpec(args=(0,), outs=(("cat", 0), ("cat", 0), ("cat", 0)), valid=_is(5, False, None)),
+}
+
+RULES: dict[Any, dict[str, SplitSpec]] = {
+    aten.convolution.default: {
+        "batch": SplitSpec(args=(0,), outs=(("cat", 0),)),
+        "channel": SplitSpec(args=(None, 0, 0), outs=(("cat", 1),), valid=_PLAIN_CONV),
+    },
+    aten.convolution_backward.default: {
+        "batch": SplitSpec(args=(0, 0), outs=(("cat", 0), ("sum",), ("sum",))),
+        "channel": SplitSpec(args=(1, None, 0), outs=(("sum",), ("cat", 0), ("cat", 0)), sizes=((3, 0),),
+                             valid=_PLAIN_CONV_BWD),
+    },
+    aten.mm.default: _matmul(bias=False, batched=False),
+    aten.addmm.default: _matmul(bias=True, batched=False),
+    aten.bmm.default: _matmul(bias=False, batched=True),
+    aten.baddbmm.default: _matmul(bias=True, batched=True),
+    **{op: _elementwise() for op in (
+        aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default,
+        aten.exp.default, aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sin.default,
+        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+        aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar,
+        aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
+        aten.sigmoid_backward.default, aten.tanh_backward.default)},
+    aten._softmax.default: _rowwise((0,), 1),
+    aten._log_softmax.default: _rowwise((0,), 1),
+    aten._safe_softmax.default: _rowwise((0,), 1),
+    aten._softmax_backward_data.default: _rowwise((0, 1), 2),
+    aten._log_softmax_backward_data.default: _rowwise((0, 1), 2),
+    aten.native_layer_norm.default: {
+        name: SplitSpec(args=(d,), outs=(("cat", d),) * 3, valid=_layer_norm_ok(d, 1, 0)) for name, d in _DIMS},
+    aten.native_layer_norm_backward.default: {
+        name: SplitSpec(args=(d, d, None, d, d), outs=(("cat", d), ("sum",), ("sum",)),
+                        valid=_layer_norm_ok(d, 2, 1)) for name, d in _DIMS},
+    aten.native_batch_norm.default: _BATCH_NORM,
+    aten._native_batch_norm_legit.default: _BATCH_NORM,
+    aten.native_batch_norm_backward.default: {
+        "channel": SplitSpec(args=(1, 1, 0, 0, 0, 0, 0), outs=(("cat", 1), ("cat", 0), ("cat", 0))),
+        "batch": SplitSpec(args=(0, 0), outs=(("cat", 0), ("sum",), ("sum",)), valid=_is(7, False, None)),
+    },
+    aten.embedding.default: {
+        name: SplitSpec(args=(None, d), outs=(("cat", d),)) for name, d in _DIMS},
+    # Every index adds its row of grad_output into the weight gradient: parts of the indices sum.
+    aten.embedding_dense_backward.default: {
+        name: SplitSpec(args=(d, d), outs=(("sum",),), valid=_is(4, False, False)) for name, d in _DIMS},
+    aten.max_pool2d_with_indices.default: _pool((0,), 2),
+    aten.max_pool2d_with_indices_backward.default: _pool((0, 1, 7), 1),
+    aten.avg_pool2d.default: _pool((0,), 1),
+    aten.avg_pool2d_backward.default: _pool((0, 1), 1),
+    aten.mean.dim: {name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
+    aten.sum.dim_IntList: {
+        **{name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
+        # A bias gradient: the batch dim is summed away, so the parts' sums add up.
+        "reduction": SplitSpec(args=(0,), outs=(("sum",),),
+                               valid=lambda a, kw: 0 in [_norm(r, a[0].dim()) for r in (_arg(a, 1) or [0])]),
+    },
+    # The backward reads the step's total weight, so each row's gradient is exact in any part (mean or sum).
+    aten.nll_loss_backward.default: {
+        "batch": SplitSpec(args=(None, 0, 0), outs=(("cat", 0),), valid=lambda a, kw: a[4] != 0)},
+    # reduction="sum" only: a mean would need each part reweighted by its share of the total weight.
+    aten.nll_loss_forward.default: {
+        "batch": SplitSpec(args=(0, 0), outs=(("sum",), ("sum",)), valid=_is(3, 2, None))},
+}
+
+_BY_NAME = {str(op): op for op in RULES}
+
+
+def rule(target: Any, dim: str) -> SplitSpec:
+    """The SplitSpec of aten op `target` (an OpOverload or its name) along `dim`; FasttError if there is none."""
+    rules = RULES.get(_BY_NAME.get(target, target) if isinstance(target, str) else target)
+    if rules is None:
+        raise FasttError(f"{target} has no split rule: only ops in fastt.split.RULES can be split")
+    if dim not in rules:
+        raise FasttError(f"{target} cannot be split along '{dim}': it splits along {sorted(rules)}")
+    return rules[dim]
+
+
+def slice_dims(spec: SplitSpec, args: Sequence[Any]) -> list[int | None]:
+    """For each positional arg, the dim it is sliced along (None: passed whole), broadcasting resolved."""
+    rank = _rank(args)
+    out: list[int | None] = []
+    for pos, a in enumerate(args):
+        d = _arg(spec.args, pos)
+        if not isinstance(a, torch.Tensor) or d is None or a.numel() == 0:
+            out.append(None)  # an empty tensor (eval batch norm's saved stats) has nothing to slice
+        elif isinstance(d, Bcast):
+            k = d.dim - (rank - a.dim())
+            out.append(k if 0 <= k < a.dim() and a.shape[k] != 1 else None)
+        else:
+            out.append(d if d < a.dim() else -1)  # -1: the rule does not fit these args
+    return out
+
+
+def split_size(target: Any, dim: str, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int:
+    """Length of the split dim for these args; 0 when the rule does not apply to them (or is not exact)."""
+    spec = rule(target, dim)
+    dims = slice_dims(spec, args)
+    sizes = {int(a.shape[d]) for a, d in zip(args, dims) if d is not None and d >= 0}
+    if -1 in dims or len(sizes) != 1 or (spec.valid is not None and not spec.valid(args, kwargs or {})):
+        return 0
+    return sizes.pop()
+
+
+def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, parts: int) -> Any:
+    """Run aten op `target` on real tensors as `parts` sub-ops along `dim`, joined: equals `target(*args)`."""
+    kwargs = dict(kwargs or {})
+    spec = rule(target, dim)
+    size = split_size(target, dim, args, kwargs)
+    if not 2 <= parts <= size:
+        raise FasttError(f"{target} cannot be split into {parts} parts along '{dim}' for these arguments "
+                         f"(length {size}; 0 means the rule does not apply)")
+    dims = slice_dims(spec, args)
+    # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's backward
+    # among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates land.
+    pieces = [[p.contiguous() for p in torch.tensor_split(a, parts, d)] if d is not None else None
+              for a, d in zip(args, dims)]
+    lengths = [len(r) for r in torch.tensor_split(torch.arange(size), parts)]
+    outs = []
+    for k in range(parts):
+        part_args = [p[k] if p is not None else a for a, p in zip(args, pieces)]
+        for pos, idx in spec.sizes:
+            if part_args[pos] is not None:
+                part_args[pos] = [lengths[k] if i == idx else s for i, s in enumerate(part_args[pos])]
+        outs.append(_call(target, part_args, {**kwargs, **dict(spec.later)} if k else kwargs))
+    return join(spec, outs)
+
+
+def _call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return (_BY_NAME[target] if isinstance(target, str) else target)(*args, **kwargs)
+
+
+def join(spec: SplitSpec, outs: Sequence[Any]) -> Any:
+    """The whole op's result from its parts' results: each output concatenated or summed as `spec` says."""
+    single = not isinstance(outs[0], (tuple, list))
+    columns = [[o] for o in outs] if single else [list(o) for o in outs]
+    joined = []
+    for i, how in enumerate(spec.outs[:len(columns[0])]):
+        xs = [c[i] for c in columns]
+        if any(x is None for x in xs):
+            joined.append(None)
+        elif how[0] == "cat":
+            joined.append(torch.cat(xs, how[1]))
+        else:
+            total = xs[0]
+            for x in xs[1:]:
+                total = total + x
+            joined.append(total)
+    return joined[0] if single else tuple(joined)
+
+
+# ---- the graph pass ------------------------------------------------------------------------------------------
+
+_NODES: weakref.WeakKeyDictionary[GraphModule, dict[str, Node]] = weakref.WeakKeyDictionary()
+
+
+def _fx_node(graph: OpGraph, name: str) -> Node | None:
+    """The captured fx node `name`, if the graph carries its capture (replicated graphs do not, yet)."""
+    gm = getattr(graph.fx, "gm", None)
+    if gm is None or not name:
+        return None
+    if gm not in _NODES:
+        _NODES[gm] = {n.name: n for n in gm.graph.nodes}
+    return _NODES[gm].get(name)
+
+
+def _vals(node: Node) -> tuple[list[Any], dict[str, Any]]:
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    return list(args), dict(kwargs)
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _only_aliases(graph: OpGraph, op: Op) -> bool:
+    """Whether the op's group is its head plus alias ops (a rule rewrites the head alone)."""
+    from .coarsen import ALIAS  # coarsen imports capture and the flop counter: load it only when needed
+    nodes = [_fx_node(graph, n) for n in op.nodes if n != op.head]
+    return all(n is not None and n.target in ALIAS for n in nodes)
+
+
+def splittable(op: Op, graph: OpGraph | None = None) -> list[str]:
+    """Names of the dims `op` can be split along: those of its target's rule, and, when `graph` carries its
+    capture, only those exact for the op's argument shapes with length ≥ 2. Parts and joins are not split again."""
+    rules = RULES.get(_BY_NAME.get(op.target))
+    if rules is None or op.split or op.kind != COMPUTE:
+        return []
+    node = _fx_node(graph, op.head) if graph is not None else None
+    if node is None:
+        return list(rules)
+    if not _only_aliases(graph, op):
+        return []
+    args, kwargs = _vals(node)
+    return [d for d in rules if split_size(node.target, d, args, kwargs) >= 2]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the pass needs from the op's shapes: per part its share of the work, per input and output its bytes."""
+
+    shares: tuple[float, ...]
+    in_bytes: tuple[tuple[int, ...], ...]  # [part][input]
+    out_bytes: tuple[int, ...]  # per part
+    io_bytes: tuple[int, ...]  # per part
+
+
+def _layout(graph: OpGraph, op: Op, dim: str, parts: int) -> _Layout:
+    spec = rule(op.target, dim)
+    node = _fx_node(graph, op.head)
+    if node is None:
+        return _layout_by_bytes(op, spec, parts)
+    args, kwargs = _vals(node)
+    size = split_size(node.target, dim, args, kwargs)
+    if size < 2:
+        raise FasttError(f"op '{op.name}' cannot be split along '{dim}' for its argument shapes: "
+                         f"split it along one of {splittable(op, graph)}")
+    if parts > size:
+        raise FasttError(f"op '{op.name}' has length {size} along '{dim}': split it into 2..{size} parts, "
+                         f"not {parts}")
+    shares = tuple(len(r) / size for r in torch.tensor_split(torch.arange(size), parts))
+    dims = slice_dims(spec, args)
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    ins, out_b, io_b = [], [], []
+    for s in shares:
+        saved_in = [0] * len(op.inputs)
+        seen: set[Node] = set()
+        saved_io = 0
+        for pos, (a, d) in enumerate(zip(node.args, dims)):
+            j = _arg(op.arg_inputs, pos, -1)
+            if d is None or j < 0:
+                continue
+            saved = round(_nbytes(a.meta.get("val")) * (1 - s))
+            saved_io += saved
+            if a not in seen and all(dd is not None for aa, dd in zip(node.args, dims) if aa is a):
+                seen.add(a)
+                saved_in[j] += saved
+        out = sum(_nbytes(v) if how[0] == "sum" else round(_nbytes(v) * s) for v, how in zip(outs, spec.outs))
+        ins.append(tuple(b - x for b, x in zip(op.in_bytes, saved_in)))
+        out_b.append(out)
+        io_b.append(max(0, op.io_bytes - saved_io - (op.out_bytes - out)))
+    return _Layout(shares, tuple(ins), tuple(out_b), tuple(io_b))
+
+
+def _layout_by_bytes(op: Op, spec: SplitSpec, parts: int) -> _Layout:
+    """Without the capture (replicated graphs): equal parts; an input fed to a sliced arg is sliced whole, and
+    outputs count as concatenated unless every one is summed."""
+    s = 1 / parts
+    sliced = {j for pos, j in enumerate(op.arg_inputs) if j >= 0 and _arg(spec.args, pos) is not None}
+    ins = tuple(round(b * s) if j in sliced else b for j, b in enumerate(op.in_bytes))
+    out = op.out_bytes if all(h[0] == "sum" for h in spec.outs) else round(op.out_bytes * s)
+    io = max(0, op.io_bytes - (sum(op.in_bytes) - sum(ins)) - (op.out_bytes - out))
+    return _Layout((s,) * parts, (ins,) * parts, (out,) * parts, (io,) * parts)
+
+
+def _shifted(op: Op, at: int, parts: int) -> Op:
+    """`op` (after position `at`) with its indices moved past the `parts` new ops; reads of `at` go to the join."""
+    if all(j < at for j in op.inputs) and all(u < at for u in op.updates):
+        return op
+
+    def move(j: int) -> int:
+        return j if j < at else j + parts
+    return replace(op, inputs=tuple(move(j) for j in op.inputs), updates=tuple(move(u) for u in op.updates))
+
+
+def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
+    """The graph with op `op` split into `parts` sub-ops `op#k` along `dim`, joined by `op#join` for its readers.
+
+    Sub-ops keep the op's target and head and record `split = (dim, k, parts)`; their FLOPs and bytes are the
+    op's scaled by their share (a summed output stays whole). Runs in O(ops).
+    """
+    if op not in graph.index:
+        raise FasttError(f"graph '{graph.name}' has no op '{op}'; split one of its ops by name")
+    at = graph.index[op]
+    o = graph.ops[at]
+    if o.kind != COMPUTE or o.split:
+        raise FasttError(f"op '{op}' is {'a part of a split' if o.split else f'a {o.kind} op'}: "
+                         "only unsplit compute ops split")
+    rules = RULES.get(_BY_NAME.get(o.target), {})
+    if dim not in rules:
+        raise FasttError(f"op '{op}' ({o.target}) cannot be split along '{dim}': "
+                         + (f"it splits along {sorted(rules)}" if rules else "only ops in fastt.split.RULES split"))
+    spec = rules[dim]
+    if not isinstance(parts, int) or parts < 2:
+        raise FasttError(f"op '{op}' cannot be split into {parts} parts: use 2 or more")
+    lay = _layout(graph, o, dim, parts)
+    subs = tuple(replace(o, name=f"{op}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
+                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,), signature="",
+                         split=(dim, k, parts)) for k in range(parts))
+    kinds = {h[0] for h in spec.outs}
+    join_op = Op(name=f"{op}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
+                 inputs=tuple(range(at, at + parts)), in_bytes=lay.out_bytes, out_bytes=o.out_bytes,
+                 io_bytes=sum(lay.out_bytes) + o.out_bytes, nodes=tuple(n for n in o.nodes if n != o.head),
+                 batch=o.batch)
+    rest = tuple(_shifted(x, at, parts) for x in graph.ops[at + 1:])
+    return OpGraph(ops=graph.ops[:at] + subs + (join_op,) + rest, name=graph.name, batch=graph.batch,
+                   fx=graph.fx, replicas=graph.replicas, fx_nodes=graph.fx_nodes)
