@@ -20,7 +20,7 @@ from fastt.errors import FasttError
 from fastt.graph import OpGraph, data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.simulate import simulate
-from fastt.split import RULES, run_split, split, split_size, splittable
+from fastt.split import RULES, max_parts, run_split, split, split_size, splittable
 
 aten = torch.ops.aten
 N, C, K = 5, 7, 9  # batch, channels/cols, reduction: 5 and 7 split unevenly into 2..4 parts
@@ -299,11 +299,17 @@ def test_summed_outputs_stay_whole(resnet: OpGraph) -> None:
     assert g.ops[g.index[f"{op.name}#join"]].target == "join:cat+sum"
 
 
-def test_split_data_parallel_graph(mlp: OpGraph) -> None:
+def test_split_data_parallel_graph(mlp: OpGraph, resnet: OpGraph) -> None:
     dp = data_parallel_graph(mlp, 2)
     g = split(dp, "r1/addmm", "rows", 2)
     _check_split(dp, g, "r1/addmm", 2)
     _simulates(g, "r1/addmm", 2, replicas=2)
+    # A replicated graph carries no capture: splits whose exactness depends on the arguments are not offered.
+    dp = data_parallel_graph(resnet, 2)
+    bn = dp.ops[dp.index["r0/native_batch_norm"]]
+    assert splittable(bn, dp) == ["channel"]
+    with pytest.raises(FasttError, match="r0/native_batch_norm"):
+        split(dp, bn.name, "batch", 2)
 
 
 def test_split_errors_name_the_op(mlp: OpGraph) -> None:
@@ -314,6 +320,9 @@ def test_split_errors_name_the_op(mlp: OpGraph) -> None:
     for op, dim, parts in bad:
         with pytest.raises(FasttError, match=re.escape(op)):
             split(mlp, op, dim, parts)
+    loss_grad = mlp.ops[mlp.index["nll_loss_backward"]]
+    assert max_parts(loss_grad, mlp, "batch") == mlp.batch
+    assert max_parts(loss_grad, data_parallel_graph(mlp, 2), "batch") is None
     once = split(mlp, "relu", "batch", 2)
     assert splittable(once.ops[once.index["relu#0"]], once) == [] and not splittable(
         once.ops[once.index["relu#join"]], once)

@@ -170,4 +170,5 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
             inputs = tuple(reduced.get((j, i), where[j, k]) for j in op.inputs)
             updates = tuple(where[u, k] for u in op.updates)
             where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates))
-    return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n)
+    # fx stays: replicated ops keep their head node, whose shapes (at batch/n) split rules read.
+    return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n, fx=sub.fx)

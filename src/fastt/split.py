@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import GraphModule, Node
 
+from .coarsen import ALIAS
 from .errors import FasttError
 from .graph import COMPUTE, Op, OpGraph
 
@@ -314,24 +315,33 @@ def _nbytes(v: Any) -> int:
 
 def _only_aliases(graph: OpGraph, op: Op) -> bool:
     """Whether the op's group is its head plus alias ops (a rule rewrites the head alone)."""
-    from .coarsen import ALIAS  # coarsen imports capture and the flop counter: load it only when needed
     nodes = [_fx_node(graph, n) for n in op.nodes if n != op.head]
     return all(n is not None and n.target in ALIAS for n in nodes)
 
 
 def splittable(op: Op, graph: OpGraph | None = None) -> list[str]:
     """Names of the dims `op` can be split along: those of its target's rule, and, when `graph` carries its
-    capture, only those exact for the op's argument shapes with length ≥ 2. Parts and joins are not split again."""
+    capture, only those exact for the op's argument shapes with length ≥ 2 (without it, only those exact for
+    any arguments). Parts and joins are not split again."""
     rules = RULES.get(_BY_NAME.get(op.target))
     if rules is None or op.split or op.kind != COMPUTE:
         return []
     node = _fx_node(graph, op.head) if graph is not None else None
-    if node is None:
-        return list(rules)
+    if node is None:  # shapes unknown: only the splits exact for any arguments
+        return [d for d, spec in rules.items() if spec.valid is None]
     if not _only_aliases(graph, op):
         return []
     args, kwargs = _vals(node)
     return [d for d in rules if split_size(node.target, d, args, kwargs) >= 2]
+
+
+def max_parts(op: Op, graph: OpGraph, dim: str) -> int | None:
+    """The most parts `op` splits into along `dim` (its length there); None when the graph has no capture."""
+    node = _fx_node(graph, op.head)
+    if node is None:
+        return None
+    args, kwargs = _vals(node)
+    return split_size(node.target, dim, args, kwargs)
 
 
 @dataclass(frozen=True)
@@ -348,6 +358,10 @@ def _layout(graph: OpGraph, op: Op, dim: str, parts: int) -> _Layout:
     spec = rule(op.target, dim)
     node = _fx_node(graph, op.head)
     if node is None:
+        if spec.valid is not None:
+            raise FasttError(f"op '{op.name}' can be split along '{dim}' only for some arguments, and graph "
+                             f"'{graph.name}' does not carry its capture to check them: split along one of "
+                             f"{splittable(op, graph)}")
         return _layout_by_bytes(op, spec, parts)
     args, kwargs = _vals(node)
     size = split_size(node.target, dim, args, kwargs)

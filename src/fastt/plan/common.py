@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -22,6 +24,18 @@ class PlanCosts:
 
     def transfer(self, src: int, dst: int, nbytes: float) -> float:
         return self.cluster.transfer_time(src, dst, nbytes)
+
+    @cached_property
+    def latency(self) -> np.ndarray:
+        """latency[s, d]: fixed seconds of a transfer from s to d (0 on the diagonal)."""
+        n = len(self.cluster.devices)
+        return np.array([[self.transfer(s, d, 0.0) for d in range(n)] for s in range(n)])
+
+    @cached_property
+    def inv_bandwidth(self) -> np.ndarray:
+        """inv_bandwidth[s, d]: seconds per byte from s to d, so transfer = latency + bytes · inv_bandwidth."""
+        n = len(self.cluster.devices)
+        return np.array([[self.transfer(s, d, 1.0) - self.transfer(s, d, 0.0) for d in range(n)] for s in range(n)])
 
     def max_transfer(self, nbytes: float) -> float:
         """The slowest transfer of nbytes between two distinct devices (0 on one device)."""
@@ -92,3 +106,36 @@ def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[
     return Strategy(planner=planner, n_devices=n_devices, placement=placement,
                     order=tuple(tuple(g.ops[i].name for i in o) for o in order), holders=holders,
                     replicas=replicas)
+
+
+class Slots:
+    """One device's busy time as sorted, disjoint blocks, for insertion-based scheduling.
+
+    Ops that touch are merged into one block, so the gap search only visits real gaps (a loaded device is
+    mostly back-to-back ops, and scanning them one by one made HEFT quadratic on large graphs).
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def earliest(self, ready: float, dur: float) -> tuple[float, int]:
+        """The first start >= ready where `dur` seconds fit, and the position to insert the interval at."""
+        k = bisect.bisect_right(self.ends, ready)  # intervals before k end by `ready`
+        t = ready
+        while k < len(self.starts) and t + dur > self.starts[k]:
+            t = max(ready, self.ends[k])
+            k += 1
+        return t, k
+
+    def add(self, k: int, start: float, end: float) -> None:
+        """Mark [start, end] busy; k is the position `earliest` returned for it."""
+        starts, ends = self.starts, self.ends
+        if k < len(starts) and starts[k] == end:
+            starts[k] = start
+        else:
+            starts.insert(k, start)
+            ends.insert(k, end)
+        if k and ends[k - 1] == start:
+            ends[k - 1] = ends.pop(k)
+            starts.pop(k)

@@ -14,7 +14,6 @@ Known bound: makespan ≤ 2·OPT + C_max.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 
@@ -23,7 +22,7 @@ import numpy as np
 from ..cluster import Cluster
 from ..graph import ALLREDUCE, RESIDENT, OpGraph
 from ..strategy import Strategy
-from .common import PlanCosts, memory_of, plan_costs, strategy_from
+from .common import PlanCosts, Slots, memory_of, plan_costs, strategy_from
 
 
 def upward_rank(g: OpGraph, w: np.ndarray, edge_cost) -> list[float]:
@@ -58,8 +57,7 @@ class _Schedule:
     def __init__(self, g: OpGraph, costs: PlanCosts) -> None:
         n_dev = len(costs.cluster.devices)
         self.g, self.costs = g, costs
-        self.starts: list[list[float]] = [[] for _ in range(n_dev)]
-        self.ends: list[list[float]] = [[] for _ in range(n_dev)]
+        self.slots = [Slots() for _ in range(n_dev)]
         self.free = [float(d.memory_bytes) for d in costs.cluster.devices]
         self.dev = [-1] * len(g.ops)
         self.start = [0.0] * len(g.ops)
@@ -71,38 +69,46 @@ class _Schedule:
                 self.cap[j] += 1
         self.homes: list[list[int]] = [[] for _ in g.ops]
         self.updated_on: list[set[int]] = [set() for _ in g.ops]
+        self._allreduce: dict[int, tuple[float, list[int]]] = {}
 
     def _reaches(self, j: int, d: int) -> bool:
         """Resident j is (or can become) at home on d."""
         return d in self.homes[j] or len(self.homes[j]) < max(self.cap[j], 1)
 
-    def ready_time(self, i: int, d: int) -> float:
-        """When all of op i's inputs can be on device d."""
-        g, t = self.g, 0.0
+    def ready_all(self, i: int) -> np.ndarray:
+        """For every device, when all of op i's inputs can be there."""
+        g, lat, inv = self.g, self.costs.latency, self.costs.inv_bandwidth
+        t = np.zeros(len(self.free))
         for j, nbytes in zip(g.ops[i].inputs, g.ops[i].in_bytes):
-            src = g.ops[j]
-            if src.kind in RESIDENT:
-                if not self._reaches(j, d):
-                    t = max(t, min(self.costs.transfer(h, d, nbytes) for h in self.homes[j]))
-            elif src.kind == ALLREDUCE:
-                t = max(t, self.allreduce_done(j, d))
+            kind = g.ops[j].kind
+            if kind in RESIDENT:
+                if self.homes[j] and len(self.homes[j]) >= max(self.cap[j], 1):
+                    t = np.maximum(t, np.min(lat[self.homes[j]] + nbytes * inv[self.homes[j]], axis=0))
+            elif kind == ALLREDUCE:
+                done, group = self.allreduce_done(j)
+                hop = lat[group[0]] + nbytes * inv[group[0]]
+                hop[group] = 0.0
+                t = np.maximum(t, done + hop)
             else:
-                t = max(t, self.finish[j] + self.costs.transfer(self.dev[j], d, nbytes))
+                src = self.dev[j]
+                t = np.maximum(t, self.finish[j] + lat[src] + nbytes * inv[src])
         return t
 
-    def allreduce_done(self, a: int, d: int) -> float:
-        """Finish of an allreduce (a ring over its inputs' devices), plus a hop to d if d is not in the ring."""
-        op = self.g.ops[a]
-        group = sorted({self.dev[j] for j in op.inputs})
-        ready = max(self.finish[j] for j in op.inputs)
-        n = len(group)
-        nbytes = max(op.in_bytes, default=0)
-        ring = 0.0
-        if n > 1:
-            hops = [(group[k], group[(k + 1) % n]) for k in range(n)]
-            ring = max(self.costs.transfer(s, t, 2 * (n - 1) / n * nbytes) for s, t in hops)
-        hop = 0.0 if d in group else self.costs.transfer(group[0], d, nbytes)
-        return ready + ring + hop
+    def allreduce_done(self, a: int) -> tuple[float, list[int]]:
+        """Finish of an allreduce (a ring over its inputs' devices) and the ring's devices (cached: its inputs
+        are all scheduled before any reader of it)."""
+        if a not in self._allreduce:
+            op = self.g.ops[a]
+            group = sorted({self.dev[j] for j in op.inputs})
+            ready = max(self.finish[j] for j in op.inputs)
+            n = len(group)
+            nbytes = max(op.in_bytes, default=0)
+            ring = 0.0
+            if n > 1:
+                hops = [(group[k], group[(k + 1) % n]) for k in range(n)]
+                ring = max(self.costs.transfer(s, t, 2 * (n - 1) / n * nbytes) for s, t in hops)
+            self._allreduce[a] = (ready + ring, group)
+        return self._allreduce[a]
 
     def _new_homes(self, i: int, d: int) -> list[int]:
         op = self.g.ops[i]
@@ -115,15 +121,7 @@ class _Schedule:
 
     def earliest(self, d: int, ready: float, dur: float) -> float:
         """Earliest start ≥ ready of a `dur`-long slot on device d (insertion into idle gaps)."""
-        starts, ends = self.starts[d], self.ends[d]
-        k = bisect.bisect_right(ends, ready)
-        t = ready
-        while k < len(starts):
-            if t + dur <= starts[k]:
-                return t
-            t = max(t, ends[k])
-            k += 1
-        return t
+        return self.slots[d].earliest(ready, dur)[0]
 
     def eligible(self, i: int, d: int) -> bool:
         for j in self.g.ops[i].updates:
@@ -140,24 +138,24 @@ class _Schedule:
             self.homes[j].append(d)
         for j in self.g.ops[i].updates:
             self.updated_on[j].add(d)
-        k = bisect.bisect_right(self.starts[d], start)
-        self.starts[d].insert(k, start)
-        self.ends[d].insert(k, start + dur)
+        start, k = self.slots[d].earliest(start, dur)
+        self.slots[d].add(k, start, start + dur)
         self.dev[i], self.start[i], self.finish[i] = d, start, start + dur
 
     def best_device(self, i: int, devices) -> tuple[int, float]:
         """The device (among `devices`) where op i finishes first, and its start there."""
         best, best_d, best_s = math.inf, -1, 0.0
         times = self.costs.times[i]
+        ready = self.ready_all(i)
         for d in devices:
             if not self.eligible(i, d):
                 continue
-            s = self.earliest(d, self.ready_time(i, d), times[d])
+            s = self.earliest(d, ready[d], times[d])
             if s + times[d] < best:
                 best, best_d, best_s = s + times[d], d, s
         if best_d < 0:  # nowhere fits: the most free memory; the simulator will report it
             best_d = max(devices, key=lambda d: self.free[d])
-            best_s = self.earliest(best_d, self.ready_time(i, best_d), times[best_d])
+            best_s = self.earliest(best_d, ready[best_d], times[best_d])
         return best_d, best_s
 
 
@@ -211,7 +209,7 @@ def schedule(g: OpGraph, costs: PlanCosts) -> _Schedule:
         _, i = heapq.heappop(heap)
         if i in cp_dev and sched.eligible(i, cp_dev[i]):
             d = cp_dev[i]
-            s = sched.earliest(d, sched.ready_time(i, d), costs.times[i, d])
+            s = sched.earliest(d, sched.ready_all(i)[d], costs.times[i, d])
         else:
             d, s = sched.best_device(i, devices)
         sched.place(i, d, s, float(costs.times[i, d]))

@@ -9,49 +9,14 @@ already scheduled there once its inputs have arrived. Devices without room under
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
 from ..cluster import Cluster
 from ..graph import ALLREDUCE, OpGraph
 from ..strategy import Strategy
 from .baechi import Schedule, placed_ops
-from .common import PlanCosts, plan_costs
+from .common import PlanCosts, Slots, plan_costs
 from .dpos import upward_rank
-
-
-class Slots:
-    """One device's busy time as sorted, disjoint blocks, for insertion-based scheduling.
-
-    Ops that touch are merged into one block, so the gap search only visits real gaps (a loaded device is
-    mostly back-to-back ops, and scanning them one by one made HEFT quadratic on large graphs).
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-
-    def earliest(self, ready: float, dur: float) -> tuple[float, int]:
-        """The first start >= ready where `dur` seconds fit, and the position to insert the interval at."""
-        k = bisect.bisect_right(self.ends, ready)  # intervals before k end by `ready`
-        t = ready
-        while k < len(self.starts) and t + dur > self.starts[k]:
-            t = max(ready, self.ends[k])
-            k += 1
-        return t, k
-
-    def add(self, k: int, start: float, end: float) -> None:
-        """Mark [start, end] busy; k is the position `earliest` returned for it."""
-        starts, ends = self.starts, self.ends
-        if k < len(starts) and starts[k] == end:
-            starts[k] = start
-        else:
-            starts.insert(k, start)
-            ends.insert(k, end)
-        if k and ends[k - 1] == start:
-            ends[k - 1] = ends.pop(k)
-            starts.pop(k)
 
 
 def heft(graph: OpGraph, cluster: Cluster, costs: PlanCosts | None = None) -> Strategy:

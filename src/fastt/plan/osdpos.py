@@ -21,7 +21,7 @@ from ..cluster import Cluster
 from ..cost import op_times
 from ..graph import OpGraph, data_parallel_graph
 from ..simulate import simulate
-from ..split import split, splittable
+from ..split import max_parts, split, splittable
 from ..strategy import Split, Strategy
 from .basic import data_parallel, single_device
 from .common import PlanCosts
@@ -71,7 +71,7 @@ def os_dpos(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S
             continue
         found = None
         for dim in splittable(g.ops[g.index[name]], g):
-            for parts in range(2, n + 1):
+            for parts in range(2, min(n, max_parts(g.ops[g.index[name]], g, dim)) + 1):
                 if time.perf_counter() > deadline:
                     return _finish(best, splits)
                 g2 = split(g, name, dim, parts)
