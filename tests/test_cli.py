@@ -128,7 +128,8 @@ def test_not_fitting_names_device_and_bytes(tmp_path: Path) -> None:
                                                     for i, d in enumerate(base.devices)))
     tiny.save(tmp_path / "tiny.json")
     args = ["--model", "mlp", "--size", "test", "--cluster", "tiny.json"]
-    r = fastt_many({"json": ["simulate", *args, "--json"], "human": ["compare", *args, "--planners", "single,dp"]},
+    r = fastt_many({"json": ["simulate", *args, "--planner", "dp", "--json"],
+                    "human": ["compare", *args, "--planners", "single,dp"]},
                    tmp_path)
     summary = json.loads(ok(r["json"]).stdout)
     assert summary["fits"] is False
@@ -178,11 +179,11 @@ def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.C
     assert r.stdout == ""
 
 
-def test_demo_prints_single_and_dp(tmp_path: Path) -> None:
+def test_demo_compares_planners(tmp_path: Path) -> None:
     out = ok(fastt("demo", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
     assert out.startswith("cluster 2xV100-nvlink: 2 x V100")
     rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
-    assert [row[1] for row in rows] == ["single", "dp"]
+    assert [row[1] for row in rows] == ["fastt", "dp", "single", "dpos", "heft", "m-sct"]
     assert all(row[-2] == "yes" for row in rows)
     dp = rows[1]
     assert dp[4] == "1.00x"

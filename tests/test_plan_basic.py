@@ -149,7 +149,9 @@ def test_data_parallel_work_per_device_shrinks(mlp: OpGraph) -> None:
     single = fastt.simulate(mlp, fastt.plan(mlp, cl, "single"), cl)
     dp = fastt.simulate(mlp, fastt.plan(mlp, cl, "dp"), cl)
     assert max(dp.busy_s) < single.busy_s[0]
-    assert max(dp.peak_memory_bytes) <= single.peak_memory_bytes[0]
+    # DP steps the optimizer after the whole backward (as DDP does), so every gradient is alive at once.
+    grads = sum(op.out_bytes for op in mlp.ops if op.kind == PARAM)
+    assert max(dp.peak_memory_bytes) <= single.peak_memory_bytes[0] + grads
     assert dp.lower_bound_s == single.lower_bound_s  # a property of the graph and cluster, not the strategy
 
 
@@ -163,7 +165,8 @@ def test_data_parallel_one_device_is_single(mlp: OpGraph) -> None:
     s = fastt.plan(mlp, "1xV100", "dp")
     assert graph_for(mlp, s) is mlp
     single = fastt.plan(mlp, "1xV100", "single")
-    assert (s.placement, s.order, s.holders) == (single.placement, single.order, single.holders)
+    assert (s.placement, s.holders) == (single.placement, single.holders)
+    assert sorted(s.order[0]) == sorted(single.order[0])  # DP runs the updates last
 
 
 # ------------------------------------------------------------------------------------------------- lower bound

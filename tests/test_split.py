@@ -322,7 +322,7 @@ def test_split_errors_name_the_op(mlp: OpGraph) -> None:
             split(mlp, op, dim, parts)
     loss_grad = mlp.ops[mlp.index["nll_loss_backward"]]
     assert max_parts(loss_grad, mlp, "batch") == mlp.batch
-    assert max_parts(loss_grad, data_parallel_graph(mlp, 2), "batch") is None
+    assert max_parts(loss_grad, data_parallel_graph(mlp, 2), "batch") == mlp.batch // 2  # replicas: batch/2
     once = split(mlp, "relu", "batch", 2)
     assert splittable(once.ops[once.index["relu#0"]], once) == [] and not splittable(
         once.ops[once.index["relu#join"]], once)

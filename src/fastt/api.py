@@ -16,6 +16,7 @@ from .cost import MeasuredCosts, op_times
 from .cost import measure as _measure
 from .graph import OpGraph, chain_lengths
 from .plan import get_planner, graph_for
+from .plan.osdpos import os_dpos
 from .simulate import Timeline
 from .simulate import simulate as _simulate
 from .strategy import Strategy
@@ -59,8 +60,14 @@ def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:
     return dataclasses.replace(g, recapture=fn)
 
 
-def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "dp") -> Strategy:
-    """A strategy for `graph` on the cluster from the named planner (see fastt.plan.PLANNERS)."""
+def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "fastt",
+         budget_s: float | None = None) -> Strategy:
+    """A strategy for `graph` on the cluster from the named planner (see fastt.plan.PLANNERS).
+
+    `budget_s` bounds the `fastt` planner's search (it returns the best plan found so far).
+    """
+    if budget_s is not None and planner == "fastt":
+        return os_dpos(graph, cluster(cluster_spec), budget_s=budget_s)
     return get_planner(planner)(graph, cluster(cluster_spec))
 
 

@@ -68,14 +68,14 @@ def _gb(n: float) -> float:
 
 
 def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-            optimizer: str, progress: bool = True) -> list[dict]:
+            optimizer: str, progress: bool = True, budget_s: float | None = None) -> list[dict]:
     """Every planner on every model, simulated: the rows of `fastt compare`."""
     check_models(models)
     rows = []
     # Only on a terminal (disable=None), and cleared on an error, so that a failure leaves one line on stderr.
     bar = tqdm(total=len(models) * len(planners), desc="compare", disable=None if progress else True, file=sys.stderr)
     try:
-        rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar)
+        rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar, budget_s)
     except BaseException:
         bar.leave = False
         raise
@@ -85,7 +85,7 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
 
 
 def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-                  optimizer: str, bar: tqdm) -> list[dict]:
+                  optimizer: str, bar: tqdm, budget_s: float | None) -> list[dict]:
     rows = []
     for m in models:
         bar.set_postfix_str(f"capturing {m}")
@@ -94,7 +94,7 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
         for p in planners:
             bar.set_postfix_str(f"{m}: {p}")
             t0 = time.perf_counter()
-            strategy = api.plan(graph, cl, p)
+            strategy = api.plan(graph, cl, p, budget_s=budget_s)
             plan_s = time.perf_counter() - t0
             results[p] = (api.simulate(graph, strategy, cl), plan_s, strategy)
             bar.update()
@@ -135,7 +135,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
     for p in planners:
         get_planner(p)
     rows = compare([m.strip() for m in a.model.split(",")], cl, planners, a.size, a.batch, a.optimizer,
-                   progress=not a.json)
+                   progress=not a.json, budget_s=a.budget)
     if a.json:
         print(json.dumps({"cluster": a.cluster, "results": rows}))
     else:
@@ -146,7 +146,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
     get_planner(a.planner)  # fail before the capture, which may take seconds
     graph = load_graph(a.model, a.size, a.batch, a.optimizer)
-    strategy = api.plan(graph, cl, a.planner)
+    strategy = api.plan(graph, cl, a.planner, budget_s=a.budget)
     if a.out:
         strategy.save(a.out)
     tl = api.simulate(graph, strategy, cl)
@@ -168,7 +168,7 @@ def cmd_simulate(a: argparse.Namespace) -> None:
     if loaded is None:
         get_planner(a.planner)
     graph = load_graph(a.model, a.size, a.batch, a.optimizer)
-    strategy = loaded or api.plan(graph, cl, a.planner)
+    strategy = loaded or api.plan(graph, cl, a.planner, budget_s=a.budget)
     tl = api.simulate(graph, strategy, cl)
     g = graph_for(graph, strategy)
     if a.trace:
@@ -199,7 +199,8 @@ def cmd_demo(a: argparse.Namespace) -> None:
     models = a.models.split(",")
     for spec in a.clusters.split(","):
         cl = cluster(spec)
-        rows = compare(models, cl, ["single", "dp"], "paper", None, "sgd", progress=not a.json)
+        rows = compare(models, cl, ["fastt", "dp", "single", "dpos", "heft", "m-sct"], "paper", None, "sgd",
+                       progress=not a.json)
         print(json.dumps({"cluster": spec, "results": rows}) if a.json else format_table(rows, cl) + "\n")
 
 
@@ -211,6 +212,8 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the size's)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="bound the fastt planner's search; it returns the best plan found so far")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -218,13 +221,13 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="plan a model on a cluster")
     _common(p)
-    p.add_argument("--planner", default="dp", help=f"one of {', '.join(PLANNERS)}")
+    p.add_argument("--planner", default="fastt", help=f"one of {', '.join(PLANNERS)}")
     p.add_argument("--out", help="write the strategy JSON here")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("simulate", help="simulate a strategy")
     _common(p)
     p.add_argument("--strategy", help="strategy JSON from fastt plan --out (default: plan with --planner)")
-    p.add_argument("--planner", default="dp")
+    p.add_argument("--planner", default="fastt")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--gantt", help="write a Gantt chart PNG here")
     p.set_defaults(fn=cmd_simulate)
