@@ -1,0 +1,55 @@
+"""OS-DPOS (the `fastt` planner): splits that pay are kept, plans replay from JSON, never worse than its seeds."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+
+import fastt
+from fastt import zoo
+from fastt.plan import PLANNERS, graph_for
+from fastt.plan.osdpos import os_dpos
+from fastt.strategy import Strategy
+from test_dpos import training_like
+
+
+@pytest.fixture(scope="module")
+def alexnet() -> fastt.OpGraph:
+    w = zoo.get("alexnet", "test", dropout=False)
+    g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="alexnet")
+    return dataclasses.replace(g, recapture=None)  # no data parallelism: model parallelism and splits only
+
+
+def test_splits_that_shorten_the_step_are_kept(alexnet: fastt.OpGraph) -> None:
+    cl = fastt.cluster("4xV100")
+    s = os_dpos(alexnet, cl, budget_s=60)
+    assert s.splits, "a conv on the critical path of alexnet pays to split on 4 GPUs"
+    split_graph = graph_for(alexnet, s)
+    assert len(split_graph.ops) > len(alexnet.ops)
+    s.validate(split_graph)
+    got = fastt.simulate(alexnet, s, cl).iteration_s
+    assert got < fastt.simulate(alexnet, fastt.plan(alexnet, cl, "dpos"), cl).iteration_s
+    again = Strategy.from_json(s.to_json())  # the splits travel in the strategy file
+    assert fastt.simulate(alexnet, again, cl).iteration_s == got
+
+
+def test_fastt_never_slower_than_its_seeds() -> None:
+    w = zoo.get("mlp", "test")
+    g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
+    cl = fastt.cluster("2xV100")
+    ours = fastt.simulate(g, fastt.plan(g, cl, "fastt"), cl).iteration_s
+    for p in ("single", "dp", "dpos"):
+        assert ours <= fastt.simulate(g, PLANNERS[p](g, cl), cl).iteration_s
+
+
+def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
+    s = fastt.plan(alexnet, "4xV100", "fastt", budget_s=0.0)
+    s.validate(graph_for(alexnet, s))
+
+
+@settings(max_examples=60, deadline=None)
+@given(training_like())
+def test_fastt_plans_are_valid_on_random_steps(case) -> None:
+    g, _, cl = case
+    s = os_dpos(g, cl, budget_s=5)
+    s.validate(graph_for(g, s))
