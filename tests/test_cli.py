@@ -187,3 +187,15 @@ def test_demo_compares_planners(tmp_path: Path) -> None:
     assert all(row[-2] == "yes" for row in rows)
     dp = rows[1]
     assert dp[4] == "1.00x"
+
+
+def test_simulate_with_measured_costs_caches_them(tmp_path: Path) -> None:
+    args = ["simulate", "--model", "mlp", "--size", "test", "--cluster", "cpu:2", "--planner", "dp",
+            "--costs", "measured", "--cost-file", "costs.json", "--json"]
+    first = json.loads(ok(fastt(*args, cwd=tmp_path)).stdout)
+    cached = json.loads((tmp_path / "costs.json").read_text())
+    assert cached["format"] == "fastt.costs" and all(v > 0 for v in cached["seconds"].values())
+    second = json.loads(ok(fastt(*args, cwd=tmp_path)).stdout)  # read from the file, not measured again
+    assert first["iteration_s"] > 0 and second["iteration_s"] > 0
+    bad = fastt("simulate", *MLP, "--costs", "measured", cwd=tmp_path)
+    assert bad.returncode == 2 and "use a cpu:N cluster" in bad.stderr

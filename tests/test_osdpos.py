@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 from hypothesis import given, settings
+from test_dpos import training_like
 
 import fastt
 from fastt import zoo
 from fastt.plan import PLANNERS, graph_for
 from fastt.plan.osdpos import os_dpos
 from fastt.strategy import Strategy
-from test_dpos import training_like
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from . import api
 from .cluster import Cluster, cluster
+from .cost import MeasuredCosts, calibrate_cpu
 from .errors import FasttError
-from .graph import OpGraph
+from .graph import OpGraph, rebatch
 from .plan import PLANNERS, get_planner
 from .strategy import Strategy
 
@@ -41,9 +43,9 @@ def check_models(specs: Sequence[str]) -> None:
             raise FasttError(f"unknown model '{spec}': use a zoo model ({', '.join(NAMES)}) or path/to/file.py:function")
 
 
-def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
-    """Capture the step of a zoo model, or of `path/to/file.py:function` returning
-    (model, loss_fn, optimizer, example_inputs)."""
+def load_workload(spec: str, size: str, batch: int | None, optimizer: str) -> tuple:
+    """(name, model, loss_fn, optimizer, example_inputs) of a zoo model, or of `path/to/file.py:function`
+    returning (model, loss_fn, optimizer, example_inputs)."""
     check_models([spec])
     if _is_file_spec(spec):
         path, fn_name = spec.rsplit(":", 1)
@@ -51,16 +53,36 @@ def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGra
         module = importlib.util.module_from_spec(mod_spec)
         try:
             mod_spec.loader.exec_module(module)
-            model, loss_fn, opt, inputs = getattr(module, fn_name)()
+            return (Path(path).stem, *getattr(module, fn_name)())
         except FasttError:
             raise
         except Exception as e:
             raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
-        return api.capture(model, loss_fn, opt, inputs, name=Path(path).stem)
     from . import zoo
 
     w = zoo.get(spec, size, batch=batch, optimizer=optimizer, dropout=False)
-    return api.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name=spec)
+    return spec, w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+
+def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
+    """Capture the training step of a model spec (see load_workload)."""
+    name, model, loss_fn, opt, inputs = load_workload(spec, size, batch, optimizer)
+    return api.capture(model, loss_fn, opt, inputs, name=name)
+
+
+def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy, cost_file: str | None) -> MeasuredCosts:
+    """Op times measured on this CPU for the graphs `strategy` runs (the step at batch/replicas), cached in
+    `cost_file` when given."""
+    if cost_file and Path(cost_file).is_file():
+        return MeasuredCosts.load(cost_file)
+    _, model, _, opt, inputs = workload
+    if any(getattr(x, "fake_mode", None) is not None or type(x).__name__ == "FakeTensor" for x in inputs):
+        raise FasttError("measured costs need real tensors: use --size test (paper sizes are traced fake)")
+    part = rebatch(graph, graph.batch // strategy.replicas)
+    costs = api.measure(part, model, opt, inputs, threads=max(1, torch.get_num_threads() // strategy.n_devices))
+    if cost_file:
+        costs.save(cost_file)
+    return costs
 
 
 def _gb(n: float) -> float:
@@ -163,13 +185,19 @@ def cmd_simulate(a: argparse.Namespace) -> None:
     from .report import write_gantt, write_trace
 
     cl = cluster(a.cluster)
+    if a.costs == "measured":
+        if any(d.kind != "cpu" for d in cl.devices):
+            raise FasttError("--costs measured times ops on this machine: use a cpu:N cluster")
+        cl = calibrate_cpu(cl)
     # Read the strategy, or check the planner, before the capture, which may take seconds.
     loaded = Strategy.load(a.strategy) if a.strategy else None
     if loaded is None:
         get_planner(a.planner)
-    graph = load_graph(a.model, a.size, a.batch, a.optimizer)
+    workload = load_workload(a.model, a.size, a.batch, a.optimizer)
+    graph = api.capture(*workload[1:], name=workload[0])
     strategy = loaded or api.plan(graph, cl, a.planner, budget_s=a.budget)
-    tl = api.simulate(graph, strategy, cl)
+    measured = measured_costs(workload, graph, strategy, a.cost_file) if a.costs == "measured" else None
+    tl = api.simulate(graph, strategy, cl, measured)
     g = graph_for(graph, strategy)
     if a.trace:
         write_trace(tl, g, a.trace)
@@ -230,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planner", default="fastt")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--gantt", help="write a Gantt chart PNG here")
+    p.add_argument("--costs", choices=("roofline", "measured"), default="roofline",
+                   help="measured: time every op on this CPU inside real runs of the step (cpu:N clusters)")
+    p.add_argument("--cost-file", help="cache of measured costs: read if it exists, else written")
     p.set_defaults(fn=cmd_simulate)
     p = sub.add_parser("compare", help="compare planners side by side")
     _common(p)
