@@ -15,3 +15,12 @@ def test_foundation_benchmark_small() -> None:
     assert r["capture_s"] > 0 and r["simulate_s"] > 0 and r["compare_wall_s"] > 0
     full = json.loads((ROOT / "out/foundation.json").read_text())
     assert {x["planner"] for x in full["compare"]["results"]} == {"single", "dp"}
+
+
+def test_planner_benchmark_small() -> None:
+    out = subprocess.run([sys.executable, "benchmarks/planners.py", "--small"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["cases"] == 4 and summary["geomean_speedup_over_dp"] >= 1.0  # fastt is never slower than DP
+    rows = json.loads((ROOT / "out/planners.json").read_text())["rows"]
+    assert {r["planner"] for r in rows} >= {"fastt", "dp", "dpos", "heft", "m-topo", "m-etf", "m-sct"}
