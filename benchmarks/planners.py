@@ -111,7 +111,8 @@ def main() -> None:
     rows = run(models, clusters, a.planners.split(","), size)
     summary = summarize(rows)
     (ROOT / "out").mkdir(exist_ok=True)
-    (ROOT / "out/planners.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    out = ROOT / ("out/planners-small.json" if a.small else "out/planners.json")
+    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if not a.small:
         (ROOT / "docs/benchmarks.md").write_text(render(rows, summary, "benchmarks/planners.py " + " ".join(sys.argv[1:])))
     print(json.dumps(summary))

@@ -22,5 +22,5 @@ def test_planner_benchmark_small() -> None:
                          capture_output=True, text=True).stdout
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["cases"] == 4 and summary["geomean_speedup_over_dp"] >= 1.0  # fastt is never slower than DP
-    rows = json.loads((ROOT / "out/planners.json").read_text())["rows"]
+    rows = json.loads((ROOT / "out/planners-small.json").read_text())["rows"]
     assert {r["planner"] for r in rows} >= {"fastt", "dp", "dpos", "heft", "m-topo", "m-etf", "m-sct"}
