@@ -36,20 +36,21 @@ DEFAULT_BUDGET_S = 6.0  # with the starting plans, bert-large on 8 GPUs plans in
 
 def _seeds(graph: OpGraph, cluster: Cluster, deadline: float) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
     """((does not fit, simulated time), graph, strategy) of each starting plan, best first. DPOS on the
-    data-parallel graph (N times larger than the plain one) only while the budget lasts."""
+    data-parallel graph (N times larger than the plain one) only when DP fits and while the budget lasts."""
     n = len(cluster.devices)
     t0 = time.perf_counter()
     plans = [(graph, dpos_strategy(graph, cluster, planner="fastt"))]
     dpos_s = time.perf_counter() - t0
     plans += [(graph, planner(graph, cluster)) for planner in (single_device, heft, m_etf, m_sct, m_topo)]
+    judged = [(_judge(g, s, cluster), g, s) for g, s in plans]
     if n > 1 and graph.batch % n == 0 and graph.recapture is not None:
         dp_graph = data_parallel_graph(graph, n)
         dp = data_parallel(graph, cluster)
-        plans.append((dp_graph, dp))
-        if _judge(dp_graph, dp, cluster)[0] is False and time.perf_counter() + n * dpos_s < deadline:
-            plans.append((dp_graph, dpos_strategy(dp_graph, cluster, planner="fastt", replicas=n)))
-    out = [(_judge(g, s, cluster), g, replace(s, planner="fastt")) for g, s in plans]
-    return sorted(out, key=lambda x: x[0])
+        judged.append((_judge(dp_graph, dp, cluster), dp_graph, dp))
+        if not judged[-1][0][0] and time.perf_counter() + n * dpos_s < deadline:
+            s = dpos_strategy(dp_graph, cluster, planner="fastt", replicas=n)
+            judged.append((_judge(dp_graph, s, cluster), dp_graph, s))
+    return sorted(((j, g, replace(s, planner="fastt")) for j, g, s in judged), key=lambda x: x[0])
 
 
 def _judge(g: OpGraph, s: Strategy, cluster: Cluster) -> tuple[bool, float]:
