@@ -14,6 +14,7 @@ model and the optimizer, so the model's parameters and the optimizer's state sta
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -188,6 +189,17 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups):
     return step
 
 
+@contextlib.contextmanager
+def _portable_kernels():
+    """Trace composite ops (nn.LSTM) into their native aten decomposition, not oneDNN's fused CPU-only kernel
+    (`mkldnn_rnn_layer`): the graph must run on any device, and its per-timestep ops are what a planner places.
+    Eager CPU training picks the oneDNN kernel, which rounds differently; with it off they match bit for bit."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the flag's TF32 note about Intel GPUs
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+
+
 def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  example_inputs: Sequence[torch.Tensor]) -> Step:
     """Trace one training step of `model` into a Step (aten ops, fake tensors: no real memory needed).
@@ -216,9 +228,8 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     was_training = model.training
     model.train()
     try:
-        # Fake-mode tracing runs no real kernels; reuse the inputs' fake mode when they are already fake.
-        gm = make_fx(functionalize(fn), tracing_mode="fake")(
-            params, buffers, states, *example_inputs)
+        with _portable_kernels():
+            gm = make_fx(functionalize(fn), tracing_mode="fake")(params, buffers, states, *example_inputs)
     except FasttError:
         raise
     except Exception as e:
