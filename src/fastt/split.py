@@ -244,6 +244,11 @@ def split_size(target: Any, dim: str, args: Sequence[Any], kwargs: dict[str, Any
 
 def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, parts: int) -> Any:
     """Run aten op `target` on real tensors as `parts` sub-ops along `dim`, joined: equals `target(*args)`."""
+    return join(rule(target, dim), [run_part(target, args, kwargs, dim, k, parts) for k in range(parts)])
+
+
+def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int, parts: int) -> Any:
+    """Part k of `parts` of aten op `target` split along `dim`, on real tensors (what sub-op `op#k` runs)."""
     kwargs = dict(kwargs or {})
     spec = rule(target, dim)
     size = split_size(target, dim, args, kwargs)
@@ -253,17 +258,12 @@ def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, d
     dims = slice_dims(spec, args)
     # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's backward
     # among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates land.
-    pieces = [[p.contiguous() for p in torch.tensor_split(a, parts, d)] if d is not None else None
-              for a, d in zip(args, dims)]
-    lengths = [len(r) for r in torch.tensor_split(torch.arange(size), parts)]
-    outs = []
-    for k in range(parts):
-        part_args = [p[k] if p is not None else a for a, p in zip(args, pieces)]
-        for pos, idx in spec.sizes:
-            if part_args[pos] is not None:
-                part_args[pos] = [lengths[k] if i == idx else s for i, s in enumerate(part_args[pos])]
-        outs.append(_call(target, part_args, {**kwargs, **dict(spec.later)} if k else kwargs))
-    return join(spec, outs)
+    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a for a, d in zip(args, dims)]
+    length = len(torch.tensor_split(torch.arange(size), parts)[k])
+    for pos, idx in spec.sizes:
+        if part_args[pos] is not None:
+            part_args[pos] = [length if i == idx else s for i, s in enumerate(part_args[pos])]
+    return _call(target, part_args, {**kwargs, **dict(spec.later)} if k else kwargs)
 
 
 def _call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

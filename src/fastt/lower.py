@@ -1,0 +1,94 @@
+"""Lowering: a Strategy on a captured step -> one program per device, its tasks in the strategy's order.
+
+A task runs the fx nodes of one placed op for one replica: all of the op's aten calls, or one part of a split op
+(`split.run_part` on the head node), or the join of a split op's parts followed by the alias nodes that read it.
+Allreduces are not placed: the runtime runs each once, for the first task that needs it. Resident tensors and
+inputs are placeholders of the captured step, bound before the step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .capture import Step
+from .errors import FasttError
+from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph
+from .plan import graph_for
+from .strategy import Strategy
+
+RUN, PART, JOIN = "run", "part", "join"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One op of the plan for one replica. `waits`: ops (by index) whose results it reads, allreduces included."""
+
+    op: int
+    name: str
+    kind: str
+    replica: int
+    nodes: tuple[str, ...]
+    head: str = ""
+    part: tuple = ()
+    waits: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The programs of a strategy: `programs[d]` runs on device d; `allreduces[a]` lists the fx nodes (the
+    gradients) that allreduce op `a` averages across replicas."""
+
+    graph: OpGraph
+    step: Step
+    replicas: int
+    programs: tuple[tuple[Task, ...], ...]
+    allreduces: dict[int, tuple[str, ...]]
+    prelude: tuple[str, ...] = ()  # alias nodes of residents and inputs (views of a parameter): run first
+
+
+def replica_of(name: str) -> int:
+    """The replica of an op of a data-parallel graph (`r{k}/...`); 0 otherwise."""
+    if name.startswith("r") and "/" in name and name[1:name.index("/")].isdigit():
+        return int(name[1:name.index("/")])
+    return 0
+
+
+def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
+    op = g.ops[i]
+    waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT and g.ops[j].kind != INPUT)
+    r = replica_of(op.name)
+    if op.split:
+        return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits)
+    if op.target.startswith("join:"):
+        head = g.ops[op.inputs[0]].head
+        return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head, waits=waits)
+    return Task(i, op.name, RUN, r, tuple(n for n in op.nodes if n in call_nodes), waits=waits)
+
+
+def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:
+    """The gradient nodes allreduce `a` carries: what its readers read from its inputs' producers."""
+    produced = set(g.ops[g.ops[a].inputs[0]].nodes)
+    read = []
+    for s in g.succs[a]:
+        for n in g.ops[s].nodes:
+            read += [x.name for x in nodes[n].all_input_nodes if x.name in produced]
+    return tuple(dict.fromkeys(read))
+
+
+def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
+    """One program per device for `strategy` on the captured `graph` (see the module docstring)."""
+    g = graph_for(graph, strategy)
+    strategy.validate(g)
+    step = g.fx
+    if not isinstance(step, Step):
+        raise FasttError(f"graph '{graph.name}' was not captured from a model: there is nothing to run")
+    nodes = {n.name: n for n in step.gm.graph.nodes}
+    call_nodes = {name for name, n in nodes.items() if n.op == "call_function"}
+    programs = tuple(tuple(_task(g, g.index[name], call_nodes) for name in order
+                           if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
+    allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops) if op.kind == ALLREDUCE}
+    prelude = tuple(dict.fromkeys(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
+                                  for n in op.nodes if n in call_nodes))
+    order = {name: k for k, name in enumerate(nodes)}
+    return Lowered(graph=g, step=step, replicas=strategy.replicas, programs=programs, allreduces=allreduces,
+                   prelude=tuple(sorted(prelude, key=order.__getitem__)))

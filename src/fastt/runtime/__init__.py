@@ -1,0 +1,59 @@
+"""Running plans for real: `parallelize` returns a step callable backed by the local runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..api import capture, plan, simulate
+from ..capture import bind
+from ..cluster import cluster
+from ..cost import calibrate_cpu
+from ..errors import FasttError
+from ..lower import Lowered, lower
+from ..strategy import Strategy
+from .local import StepError, run_step
+
+__all__ = ["ParallelStep", "StepError", "parallelize"]
+
+
+class ParallelStep:
+    """One training step of a model under a plan: `loss = step(*batch)`. The model's parameters and the
+    optimizer's state are the truth: they are updated in place after every step (read them at any time)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, low: Lowered,
+                 strategy: Strategy, simulated_s: float, threads_per_device: int) -> None:
+        self.model, self.optimizer, self.lowered, self.strategy = model, optimizer, low, strategy
+        self.simulated_s = simulated_s
+        self.threads_per_device = threads_per_device
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        step = self.lowered.step
+        params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
+        with torch.no_grad():
+            loss, new_params, new_states = run_step(self.lowered, params, buffers, states, batch,
+                                                    self.threads_per_device)
+            for p, new in zip(params, new_params):
+                p.copy_(new)
+            for s, new in zip([t for ss in states for t in ss], new_states):
+                s.copy_(new)
+        return loss
+
+
+def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
+                strategy: Strategy | None = None) -> ParallelStep:
+    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
+    the step callable. CPU worker devices (`cpu:N`) run here; the CUDA runtime is not built yet."""
+    cl = cluster(devices)
+    if any(d.kind != "cpu" for d in cl.devices):
+        raise FasttError(f"running on {devices} is not supported yet: the local runtime runs cpu:N devices")
+    cl = calibrate_cpu(cl)
+    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
+    strategy = strategy or plan(graph, cl, planner)
+    tl = simulate(graph, strategy, cl)
+    if not tl.fits:
+        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
+    threads = max(1, torch.get_num_threads() // len(cl.devices))
+    return ParallelStep(model, optimizer, lower(graph, strategy), strategy, tl.iteration_s, threads)
