@@ -199,3 +199,18 @@ def test_simulate_with_measured_costs_caches_them(tmp_path: Path) -> None:
     assert first["iteration_s"] > 0 and second["iteration_s"] > 0
     bad = fastt("simulate", *MLP, "--costs", "measured", cwd=tmp_path)
     assert bad.returncode == 2 and "use a cpu:N cluster" in bad.stderr
+
+
+def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
+    r = ok(fastt("run", "--model", "mlp", "--devices", "cpu:2", "--planners", "fastt,dp,single,eager",
+                 "--steps", "4", "--check", "--json", cwd=tmp_path))
+    out = json.loads(r.stdout)
+    assert out["model"] == "mlp" and out["devices"] == "cpu:2" and out["steps"] == 4
+    assert [x["planner"] for x in out["results"]] == ["fastt", "dp", "single", "eager"]
+    for x in out["results"]:
+        assert x["measured_iteration_s"] > 0
+        if x["planner"] != "eager":
+            assert x["simulated_iteration_s"] > 0 and x["error"] is not None
+    assert out["max_param_rel_diff"] <= 1e-5
+    bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--steps", "1", cwd=tmp_path)
+    assert bad.returncode == 2 and "local runtime runs cpu:N" in bad.stderr

@@ -16,6 +16,7 @@ from fastt.cluster import cluster
 from fastt.errors import FasttError
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
+from fastt.runtime.reference import eager_dp_step
 
 STEPS = 10
 
@@ -42,36 +43,6 @@ def assert_same(ref: zoo.Workload, ours: zoo.Workload) -> None:
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def eager_dp_step(w: zoo.Workload, batch: tuple, replicas: int) -> None:
-    """Data parallelism emulated in eager mode: each replica's share on its own copy of the buffers (per-device
-    batch-norm statistics), gradients averaged in replica order, replica 0's buffers kept."""
-    b = batch[0].shape[0] // replicas
-    start = {k: v.clone() for k, v in w.model.named_buffers()}
-    grads, kept = [], None
-    buffers = dict(w.model.named_buffers())
-
-    def restore(values: dict) -> None:
-        with torch.no_grad():
-            for n, v in values.items():
-                buffers[n].copy_(v)
-
-    for k in range(replicas):
-        restore(start)
-        w.optimizer.zero_grad()
-        share = [x[k * b:(k + 1) * b] for x in batch]
-        w.loss_fn(w.model(*share[:-1]), share[-1]).backward()
-        grads.append([p.grad.clone() for p in w.model.parameters()])
-        if k == 0:
-            kept = {n: v.clone() for n, v in w.model.named_buffers()}
-    for i, p in enumerate(w.model.parameters()):
-        total = grads[0][i]
-        for g in grads[1:]:
-            total = total + g[i]
-        p.grad = total / replicas
-    restore(kept)
-    w.optimizer.step()
-
-
 @pytest.mark.parametrize("planner", ["single", "dpos", "heft"])
 @pytest.mark.parametrize("name", ["mlp", "lenet", "resnet50", "transformer", "bert-base", "rnnlm"])
 def test_model_parallel_plans_train_exactly(name: str, planner: str) -> None:
@@ -92,7 +63,7 @@ def test_data_parallel_matches_eager_data_parallel(name: str) -> None:
     assert step.strategy.replicas == 2
     for i in range(STEPS):
         batch = fresh_batch(ref, i)
-        eager_dp_step(ref, batch, 2)
+        eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, 2)
         step(*batch)
     assert_same(ref, ours)
 

@@ -222,6 +222,35 @@ def cmd_simulate(a: argparse.Namespace) -> None:
             print(f"  wrote {path}")
 
 
+def cmd_run(a: argparse.Namespace) -> None:
+    from .runtime.bench import run_planners
+
+    planners = [p.strip() for p in a.planners.split(",")]
+    for p in planners:
+        if p != "eager":
+            get_planner(p)
+    check_models([a.model])
+    rnn = a.model in ("rnnlm", "gnmt")
+
+    def make() -> tuple:
+        torch.manual_seed(0)
+        return load_workload(a.model, a.size, a.batch, a.optimizer)
+
+    # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN off).
+    with torch.backends.mkldnn.flags(enabled=not rnn):
+        out = run_planners(make, a.devices, planners, a.steps, a.check)
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"{a.model} on {a.devices}, {a.steps} steps (median step time after the first)")
+    for r in out["results"]:
+        sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
+        err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
+        print(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  simulated {sim} ms  {err}")
+    if a.check:
+        print(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
+
+
 def cmd_demo(a: argparse.Namespace) -> None:
     """The main job: strategies compared on a simulated GPU cluster (real multi-device runs come later)."""
     models = a.models.split(",")
@@ -266,6 +295,17 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--planners", default=",".join(PLANNERS))
     p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("run", help="train for real on local devices: measured vs simulated time per planner")
+    p.add_argument("--model", required=True, help="zoo model name or path/to/file.py:function")
+    p.add_argument("--devices", default="cpu:2", help="cpu:N (the CUDA runtime is not built yet)")
+    p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--check", action="store_true", help="also train in eager mode and compare the parameters")
+    p.add_argument("--size", default="test", choices=("test", "paper"))
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_run)
     p = sub.add_parser("demo", help="the main job on built-in defaults")
     p.add_argument("--models", default="vgg19,resnet50,inception_v3,bert-base")
     p.add_argument("--clusters", default="4xV100,8xA100-pcie")

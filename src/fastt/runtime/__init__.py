@@ -6,11 +6,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..api import capture, plan, simulate
+from ..api import capture, measure, plan, simulate
 from ..capture import bind
 from ..cluster import cluster
 from ..cost import calibrate_cpu
 from ..errors import FasttError
+from ..graph import rebatch
 from ..lower import Lowered, lower
 from ..strategy import Strategy
 from .local import StepError, run_step
@@ -34,10 +35,14 @@ class ParallelStep:
         with torch.no_grad():
             loss, new_params, new_states = run_step(self.lowered, params, buffers, states, batch,
                                                     self.threads_per_device)
-            for p, new in zip(params, new_params):
-                p.copy_(new)
-            for s, new in zip([t for ss in states for t in ss], new_states):
-                s.copy_(new)
+        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
+        # the optimizer and the user hold, stay the same).
+        for p, new in zip(params, new_params):
+            p.data = new
+        fresh = iter(new_states)
+        for p, keys in zip(params, step.state_keys):
+            for k in keys:
+                self.optimizer.state[p][k] = next(fresh)
         return loss
 
 
@@ -50,10 +55,14 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     if any(d.kind != "cpu" for d in cl.devices):
         raise FasttError(f"running on {devices} is not supported yet: the local runtime runs cpu:N devices")
     cl = calibrate_cpu(cl)
+    threads = max(1, torch.get_num_threads() // len(cl.devices))
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
     strategy = strategy or plan(graph, cl, planner)
     tl = simulate(graph, strategy, cl)
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    threads = max(1, torch.get_num_threads() // len(cl.devices))
-    return ParallelStep(model, optimizer, lower(graph, strategy), strategy, tl.iteration_s, threads)
+    # The simulated time of the plan with every op's time measured on a worker device (its share of the cores).
+    part = rebatch(graph, graph.batch // strategy.replicas)
+    costs = measure(part, model, optimizer, example_inputs, threads=threads, progress=False)
+    simulated = simulate(graph, strategy, cl, costs).iteration_s
+    return ParallelStep(model, optimizer, lower(graph, strategy), strategy, simulated, threads)

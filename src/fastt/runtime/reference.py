@@ -1,0 +1,59 @@
+"""Plain eager training steps: the oracle fastt's runtime is checked against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+               batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One ordinary training step: zero_grad, forward, backward, optimizer.step."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(*batch[:-1]), batch[-1])
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                  batch: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
+    """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its own
+    copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica 0's
+    buffers kept; returns the mean of the replicas' losses."""
+    b = batch[0].shape[0] // replicas
+    buffers = dict(model.named_buffers())
+    start = {n: v.clone() for n, v in buffers.items()}
+    grads, losses, kept = [], [], {}
+    for k in range(replicas):
+        with torch.no_grad():
+            for n, v in start.items():
+                buffers[n].copy_(v)
+        optimizer.zero_grad()
+        share = [x[k * b:(k + 1) * b] for x in batch]
+        loss = loss_fn(model(*share[:-1]), share[-1])
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+        if k == 0:
+            kept = {n: v.clone() for n, v in buffers.items()}
+    for i, p in enumerate(model.parameters()):
+        if grads[0][i] is None:
+            continue
+        total = grads[0][i]
+        for g in grads[1:]:
+            total = total + g[i]
+        p.grad = total / replicas
+    with torch.no_grad():
+        for n, v in kept.items():
+            buffers[n].copy_(v)
+    optimizer.step()
+    return sum(losses) / replicas
+
+
+def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """The largest difference of any parameter or buffer, relative to that tensor's largest magnitude."""
+    return max((((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item()
+                for x, y in zip(a.state_dict().values(), b.state_dict().values()) if x.is_floating_point()),
+               default=0.0)
