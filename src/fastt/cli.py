@@ -239,20 +239,33 @@ def cmd_run(a: argparse.Namespace) -> None:
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN off).
     with torch.backends.mkldnn.flags(enabled=not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check)
-    if a.json:
-        print(json.dumps(out))
-        return
-    print(f"{a.model} on {a.devices}, {a.steps} steps (median step time after the first)")
+    print(json.dumps(out) if a.json else format_run(out))
+
+
+def format_run(out: dict) -> str:
+    lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
+             "(median step time after the first)")]
     for r in out["results"]:
         sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
         err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
-        print(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  simulated {sim} ms  {err}")
-    if a.check:
-        print(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
+        lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
+                     f"simulated {sim} ms  {err}")
+    if out["max_param_rel_diff"] is not None:
+        lines.append(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
+    return "\n".join(lines)
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
-    """The main job: strategies compared on a simulated GPU cluster (real multi-device runs come later)."""
+    """The main job: a real run on this machine's CPU worker devices, then planners compared on simulated GPU
+    clusters."""
+    from .runtime.bench import run_planners
+
+    def make() -> tuple:
+        torch.manual_seed(0)
+        return load_workload(a.run_model, "test", None, "sgd")
+
+    out = run_planners(make, "cpu:2", ["fastt", "dp", "single", "eager"], 6, check=True)
+    print(json.dumps(out) if a.json else format_run(out) + "\n")
     models = a.models.split(",")
     for spec in a.clusters.split(","):
         cl = cluster(spec)
@@ -307,6 +320,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("demo", help="the main job on built-in defaults")
+    p.add_argument("--run-model", default="transformer", help="the zoo model trained for real on cpu:2")
     p.add_argument("--models", default="vgg19,resnet50,inception_v3,bert-base")
     p.add_argument("--clusters", default="4xV100,8xA100-pcie")
     p.add_argument("--json", action="store_true")

@@ -31,31 +31,31 @@ class _Run:
     def __init__(self, low: Lowered, envs: list[dict]) -> None:
         self.low, self.envs = low, envs
         self.nodes = {n.name: n for n in low.step.gm.graph.nodes}
-        self.done = {t.op: threading.Event() for prog in low.programs for t in prog}
-        self.reduced: dict[int, threading.Event] = {}
-        self.lock = threading.Lock()
+        self.done: set[int] = set()  # ops whose results are in the envs (allreduces included)
+        self.claimed: set[int] = set()  # allreduces some task has started
+        self.cv = threading.Condition()
         self.error: tuple[str, int, BaseException] | None = None
 
     def wait(self, op: int) -> bool:
         """Wait for op's results; False when another device failed (stop)."""
         if op in self.low.allreduces:
-            return self.allreduce(op)
-        ev = self.done[op]
-        while not ev.wait(0.05):
-            if self.error is not None:
-                return False
-        return True
+            with self.cv:
+                first = op not in self.claimed
+                self.claimed.add(op)
+            if first:
+                return self.allreduce(op)
+        with self.cv:
+            while op not in self.done and self.error is None:
+                self.cv.wait()
+            return op in self.done
+
+    def finished(self, op: int) -> None:
+        with self.cv:
+            self.done.add(op)
+            self.cv.notify_all()
 
     def allreduce(self, a: int) -> bool:
-        """Average the gradients of allreduce `a` across replicas, once, for whichever task needs it first."""
-        with self.lock:
-            first = a not in self.reduced
-            ev = self.reduced.setdefault(a, threading.Event())
-        if not first:
-            while not ev.wait(0.05):
-                if self.error is not None:
-                    return False
-            return True
+        """Average the gradients of allreduce `a` across replicas (once: the first task that needs it)."""
         for j in self.low.graph.ops[a].inputs:
             if not self.wait(j):
                 return False
@@ -67,7 +67,7 @@ class _Run:
             mean = total / len(values)
             for env in self.envs:
                 env[name] = mean
-        ev.set()
+        self.finished(a)
         return True
 
     def call(self, name: str, env: dict) -> None:
@@ -98,11 +98,12 @@ class _Run:
                     return
                 self.run_task(t)
             except BaseException as e:  # noqa: BLE001 - reported with the op's name, other devices stop
-                with self.lock:
+                with self.cv:
                     if self.error is None:
                         self.error = (t.name, d, e)
+                    self.cv.notify_all()
                 return
-            self.done[t.op].set()
+            self.finished(t.op)
 
 
 def run_step(low: Lowered, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
