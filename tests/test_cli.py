@@ -180,7 +180,13 @@ def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.C
 
 
 def test_demo_compares_planners(tmp_path: Path) -> None:
-    out = ok(fastt("demo", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
+    out = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
+    real, simulated = out.split("\n\n", 1)
+    assert real.startswith("mlp trained for real on cpu:2")
+    assert [line.split()[0] for line in real.splitlines()[1:5]] == ["fastt", "dp", "single", "eager"]
+    diff = re.search(r"largest relative parameter difference from eager: (\S+)", real)
+    assert diff and float(diff.group(1)) <= 1e-5
+    out = simulated
     assert out.startswith("cluster 2xV100-nvlink: 2 x V100")
     rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
     assert [row[1] for row in rows] == ["fastt", "dp", "single", "dpos", "heft", "m-sct"]
