@@ -26,7 +26,7 @@ class StepError(RuntimeError):
 
 
 class _Run:
-    """The state of one step: values per replica, a finished event per op, the first error."""
+    """The state of one step: values per replica, the ops finished so far, the first error."""
 
     def __init__(self, low: Lowered, envs: list[dict]) -> None:
         self.low, self.envs = low, envs
