@@ -14,11 +14,12 @@ from .cluster import Cluster, cluster
 from .coarsen import to_opgraph
 from .cost import MeasuredCosts, op_times
 from .cost import measure as _measure
-from .graph import OpGraph, chain_lengths
+from .graph import COMPUTE, UPDATE, OpGraph, chain_lengths
 from .plan import get_planner, graph_for
 from .plan.osdpos import os_dpos
 from .simulate import Timeline
 from .simulate import simulate as _simulate
+from .split import splittable
 from .strategy import Strategy
 
 
@@ -74,20 +75,22 @@ def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "fastt",
 def lower_bound(graph: OpGraph, times: np.ndarray, n_devices: int) -> float:
     """A lower bound on the iteration time of any strategy fastt can produce for `graph`.
 
-    LB = max(W / D, C): W = Σ_ops min_d t[op, d], D = number of devices, C = the longest chain of ops whose work
-    does not depend on the batch (optimizer updates and parameter-only ops), each at its fastest device.
+    LB = max(W / D, C): W = Σ_ops min_d t[op, d], D = number of devices, C = the longest chain of ops that no
+    strategy divides (optimizer updates, parameter-only ops without a split rule), each at its fastest device.
 
     Proof sketch. Every op, or every part of it after data-parallel replication, runs on some device; under the
     roofline model the parts of an op never cost less in total than the whole (each part pays the launch overhead,
     FLOPs add up, and each part reads at least its share of the bytes), so the devices together are busy at least
-    W, and one of the D devices at least W/D. Ops that do not depend on the batch are never divided (replication
-    copies them whole), and a chain of dependent ops runs one after another, so the iteration lasts at least C.
+    W, and one of the D devices at least W/D. Optimizer updates and ops that neither depend on the batch nor have
+    a split rule are never divided (replication copies them whole), and a chain of dependent ops runs one after
+    another, so the iteration lasts at least C.
     Transfers only add time. With measured costs the sub-additivity is not guaranteed, and the bound is an
     estimate.
     """
     fastest = times.min(axis=1) if times.size else np.zeros(len(graph.ops))
     work = float(fastest.sum()) / max(n_devices, 1)
-    whole = [float(fastest[i]) if (not op.batch and op.kind in ("compute", "update")) else 0.0
+    whole = [float(fastest[i]) if op.kind == UPDATE or (op.kind == COMPUTE and not op.batch
+                                                        and not splittable(op, graph)) else 0.0
              for i, op in enumerate(graph.ops)]
     chain = max(chain_lengths(graph, whole), default=0.0)
     return max(work, chain)
