@@ -9,35 +9,21 @@ import fastt
 from fastt import zoo
 from fastt.capture import capture_step
 from fastt.errors import FasttError
+from fastt.runtime import reference
 
 
 def eager_step(w: zoo.Workload, batch: tuple) -> torch.Tensor:
-    w.optimizer.zero_grad()
-    loss = w.loss_fn(w.model(*batch[:-1]), batch[-1])
-    loss.backward()
-    w.optimizer.step()
-    return loss.detach()
+    return reference.eager_step(w.model, w.loss_fn, w.optimizer, batch)
 
 
 def fresh_batch(w: zoo.Workload, seed: int) -> tuple:
-    """Another batch shaped like the example (tokens stay in range)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for x in w.example_inputs:
-        if x.is_floating_point():
-            out.append(torch.randn(x.shape, generator=g, dtype=x.dtype))
-        else:
-            out.append(x[torch.randperm(x.shape[0], generator=g)])
-    return tuple(out)
+    return reference.batch_like(w.example_inputs, seed)
 
 
 RECURRENT = ("rnnlm", "gnmt")
 
 
-def max_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    """Largest difference of any tensor, relative to that tensor's largest magnitude."""
-    return max(((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item()
-               for x, y in zip(a.state_dict().values(), b.state_dict().values()) if x.is_floating_point())
+max_rel_diff = reference.max_param_rel_diff
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

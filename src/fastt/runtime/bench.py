@@ -10,19 +10,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import parallelize
-from .reference import eager_dp_step, eager_step, max_param_rel_diff
+from .reference import batch_like, eager_dp_step, eager_step, max_param_rel_diff
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
-
-
-def _batches(inputs: Sequence[torch.Tensor], steps: int) -> list[tuple]:
-    """`steps` batches shaped like the example (float inputs redrawn, integer ones permuted along the batch)."""
-    out = []
-    for i in range(steps):
-        g = torch.Generator().manual_seed(i)
-        out.append(tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) if x.is_floating_point()
-                         else x[torch.randperm(x.shape[0], generator=g)] for x in inputs))
-    return out
 
 
 def _timed(fn: Callable, *args: object) -> float:
@@ -42,7 +32,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     results, worst = [], 0.0
     for planner in planners:
         name, model, loss_fn, opt, inputs = make()
-        batches = _batches(inputs, steps)
+        batches = [batch_like(inputs, i) for i in range(steps)]
         initial = copy.deepcopy(model.state_dict())
         if planner == "eager":
             times = [_timed(eager_step, model, loss_fn, opt, b) for b in batches]

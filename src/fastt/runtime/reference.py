@@ -7,6 +7,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+def batch_like(inputs: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor, ...]:
+    """Another batch shaped like `inputs`: float inputs redrawn, integer ones (tokens, labels) permuted along the
+    batch so they stay in range."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) if x.is_floating_point()
+                 else x[torch.randperm(x.shape[0], generator=g)] for x in inputs)
+
+
 def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                batch: Sequence[torch.Tensor]) -> torch.Tensor:
     """One ordinary training step: zero_grad, forward, backward, optimizer.step."""
