@@ -135,6 +135,12 @@ def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
     return replicate(rebatch(graph, graph.batch // n), n)
 
 
+def replica_of(name: str) -> int:
+    """The replica of an op of a data-parallel graph (`replicate` names them `r{k}/...`); 0 otherwise."""
+    head, sep, _ = name.partition("/")
+    return int(head[1:]) if sep and head[:1] == "r" and head[1:].isdigit() else 0
+
+
 def replicate(sub: OpGraph, n: int) -> OpGraph:
     """The data-parallel graph: `sub` (the step at batch/n) once per replica, gradients aggregated.
 

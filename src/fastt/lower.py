@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .capture import Step
 from .errors import FasttError
-from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph
+from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph, replica_of
 from .plan import graph_for
 from .strategy import Strategy
 
@@ -44,13 +44,6 @@ class Lowered:
     programs: tuple[tuple[Task, ...], ...]
     allreduces: dict[int, tuple[str, ...]]
     prelude: tuple[str, ...] = ()  # alias nodes of residents and inputs (views of a parameter): run first
-
-
-def replica_of(name: str) -> int:
-    """The replica of an op of a data-parallel graph (`r{k}/...`); 0 otherwise."""
-    if name.startswith("r") and "/" in name and name[1:name.index("/")].isdigit():
-        return int(name[1:name.index("/")])
-    return 0
 
 
 def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:

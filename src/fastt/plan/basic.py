@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..cluster import Cluster
-from ..graph import UPDATE, OpGraph, data_parallel_graph
+from ..graph import UPDATE, OpGraph, data_parallel_graph, replica_of
 from ..strategy import Strategy
 from .common import strategy_from
 
@@ -17,8 +17,7 @@ def data_parallel(graph: OpGraph, cluster: Cluster) -> Strategy:
     """The step replicated once per device on batch/N; gradients ring-allreduced; every device updates its copy."""
     n = len(cluster.devices)
     g = data_parallel_graph(graph, n)
-    device_of = [int(op.name[1:op.name.index("/")]) if op.name.startswith("r") and "/" in op.name else 0
-                 for op in g.ops]
+    device_of = [replica_of(op.name) for op in g.ops]
     # As DistributedDataParallel does: the optimizer steps after the whole backward pass, so a device never
     # waits on an allreduce while backward work is left.
     last = [float(op.kind == UPDATE) for op in g.ops]

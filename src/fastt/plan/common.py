@@ -39,8 +39,11 @@ class PlanCosts:
 
     def max_transfer(self, nbytes: float) -> float:
         """The slowest transfer of nbytes between two distinct devices (0 on one device)."""
-        n = len(self.cluster.devices)
-        return max((self.transfer(s, d, nbytes) for s in range(n) for d in range(n) if s != d), default=0.0)
+        if len(self.cluster.devices) < 2:
+            return 0.0
+        t = self.latency + nbytes * self.inv_bandwidth
+        np.fill_diagonal(t, 0.0)
+        return float(t.max())
 
 
 def plan_costs(g: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> PlanCosts:
