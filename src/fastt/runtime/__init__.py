@@ -14,7 +14,7 @@ from ..errors import FasttError
 from ..graph import rebatch
 from ..lower import Lowered, lower
 from ..strategy import Strategy
-from .local import StepError, run_step
+from .local import StepError, compile_programs, run_step
 
 __all__ = ["ParallelStep", "StepError", "parallelize"]
 
@@ -26,15 +26,15 @@ class ParallelStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, low: Lowered,
                  strategy: Strategy, simulated_s: float, threads_per_device: int) -> None:
         self.model, self.optimizer, self.lowered, self.strategy = model, optimizer, low, strategy
+        self.programs = compile_programs(low)
         self.simulated_s = simulated_s
         self.threads_per_device = threads_per_device
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         step = self.lowered.step
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
-        with torch.no_grad():
-            loss, new_params, new_states = run_step(self.lowered, params, buffers, states, batch,
-                                                    self.threads_per_device)
+        loss, new_params, new_states = run_step(self.lowered, self.programs, params, buffers, states, batch,
+                                                self.threads_per_device)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
         # the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
