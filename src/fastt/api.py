@@ -16,7 +16,7 @@ from .cost import MeasuredCosts, op_times
 from .cost import measure as _measure
 from .graph import COMPUTE, UPDATE, OpGraph, chain_lengths
 from .plan import get_planner, graph_for
-from .plan.osdpos import os_dpos
+from .plan.osdpos import DEFAULT_BUDGET_S, os_dpos
 from .simulate import Timeline
 from .simulate import simulate as _simulate
 from .split import splittable
@@ -62,13 +62,14 @@ def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:
 
 
 def plan(graph: OpGraph, cluster_spec: str | Cluster, planner: str = "fastt",
-         budget_s: float | None = None) -> Strategy:
+         budget_s: float | None = None, measured: MeasuredCosts | None = None) -> Strategy:
     """A strategy for `graph` on the cluster from the named planner (see fastt.plan.PLANNERS).
 
-    `budget_s` bounds the `fastt` planner's search (it returns the best plan found so far).
+    `budget_s` bounds the `fastt` planner's search (it returns the best plan found so far); `measured` gives it
+    measured op times (the other planners plan with the cost model's estimates).
     """
-    if budget_s is not None and planner == "fastt":
-        return os_dpos(graph, cluster(cluster_spec), budget_s=budget_s)
+    if planner == "fastt" and (budget_s is not None or measured is not None):
+        return os_dpos(graph, cluster(cluster_spec), budget_s=budget_s or DEFAULT_BUDGET_S, measured=measured)
     return get_planner(planner)(graph, cluster(cluster_spec))
 
 

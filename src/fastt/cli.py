@@ -238,7 +238,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN off).
     with torch.backends.mkldnn.flags(enabled=not rnn):
-        out = run_planners(make, a.devices, planners, a.steps, a.check)
+        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune)
     print(json.dumps(out) if a.json else format_run(out))
 
 
@@ -314,6 +314,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--check", action="store_true", help="also train in eager mode and compare the parameters")
+    p.add_argument("--tune", action="store_true",
+                   help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))

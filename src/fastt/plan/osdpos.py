@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 
 from ..cluster import Cluster
-from ..cost import op_times
+from ..cost import MeasuredCosts, op_times
 from ..graph import OpGraph, data_parallel_graph
 from ..simulate import simulate
 from ..split import max_parts, split, splittable
@@ -34,46 +34,52 @@ from .heft import heft
 DEFAULT_BUDGET_S = 6.0  # with the starting plans, bert-large on 8 GPUs plans in under 10 s here
 
 
-def _seeds(graph: OpGraph, cluster: Cluster, deadline: float) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
+def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
+           measured: MeasuredCosts | None) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
     """((does not fit, simulated time), graph, strategy) of each starting plan, best first. DPOS on the
     data-parallel graph (N times larger than the plain one) only when DP fits and while the budget lasts."""
     n = len(cluster.devices)
+    costs = PlanCosts(op_times(graph, cluster, measured), cluster)
     t0 = time.perf_counter()
-    plans = [(graph, dpos_strategy(graph, cluster, planner="fastt"))]
+    plans = [(graph, dpos_strategy(graph, cluster, costs, planner="fastt"))]
     dpos_s = time.perf_counter() - t0
-    plans += [(graph, planner(graph, cluster)) for planner in (single_device, heft, m_etf, m_sct, m_topo)]
-    judged = [(_judge(g, s, cluster), g, s) for g, s in plans]
+    plans += [(graph, single_device(graph, cluster))]
+    plans += [(graph, planner(graph, cluster, costs)) for planner in (heft, m_etf, m_sct, m_topo)]
+    judged = [(_judge(g, s, cluster, measured), g, s) for g, s in plans]
     if n > 1 and graph.batch % n == 0 and graph.recapture is not None:
         dp_graph = data_parallel_graph(graph, n)
         dp = data_parallel(graph, cluster)
-        judged.append((_judge(dp_graph, dp, cluster), dp_graph, dp))
+        judged.append((_judge(dp_graph, dp, cluster, measured), dp_graph, dp))
         if not judged[-1][0][0] and time.perf_counter() + n * dpos_s < deadline:
-            s = dpos_strategy(dp_graph, cluster, planner="fastt", replicas=n)
-            judged.append((_judge(dp_graph, s, cluster), dp_graph, s))
+            dp_costs = PlanCosts(op_times(dp_graph, cluster, measured), cluster)
+            s = dpos_strategy(dp_graph, cluster, dp_costs, planner="fastt", replicas=n)
+            judged.append((_judge(dp_graph, s, cluster, measured), dp_graph, s))
     return sorted(((j, g, replace(s, planner="fastt")) for j, g, s in judged), key=lambda x: x[0])
 
 
-def _judge(g: OpGraph, s: Strategy, cluster: Cluster) -> tuple[bool, float]:
+def _judge(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None) -> tuple[bool, float]:
     """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest."""
-    tl = simulate(g, s, cluster, op_times(g, cluster))
+    tl = simulate(g, s, cluster, op_times(g, cluster, measured))
     return (not tl.fits, tl.iteration_s)
 
 
-def os_dpos(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S) -> Strategy:
-    """The `fastt` planner (see the module docstring)."""
+def os_dpos(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
+            measured: MeasuredCosts | None = None) -> Strategy:
+    """The `fastt` planner (see the module docstring); op times from `measured` where it has them, else the
+    roofline estimates."""
     deadline = time.perf_counter() + budget_s
-    (_, best_t), g, best = _seeds(graph, cluster, deadline)[0]
+    (_, best_t), g, best = _seeds(graph, cluster, deadline, measured)[0]
     if len(cluster.devices) == 1:
         return best
-    return split_critical_path(g, best, best_t, cluster, deadline)
+    return split_critical_path(g, best, best_t, cluster, deadline, measured)
 
 
 def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Cluster,
-                        deadline: float = math.inf) -> Strategy:
+                        deadline: float = math.inf, measured: MeasuredCosts | None = None) -> Strategy:
     """Steps 2-4 of OS-DPOS from plan `best` of graph `g` (simulated at `best_t`): the plan with the splits
     that lowered the iteration time (recorded in `splits`, on top of any `best` already had)."""
     n = len(cluster.devices)
-    times = op_times(g, cluster)
+    times = op_times(g, cluster, measured)
     tl = simulate(g, best, cluster, times)
     cp = {g.index[name] for name in tl.critical_path if name in g.index}
     names = [g.ops[i].name for i in sorted((i for i in cp if splittable(g.ops[i], g)), key=lambda i: -times[i].max())]
@@ -86,14 +92,15 @@ def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Clus
                 if time.perf_counter() > deadline:
                     return replace(best, splits=tuple(splits))
                 g2 = split(g, name, dim, parts)
-                m2 = max(schedule(g2, PlanCosts(op_times(g2, cluster), cluster)).finish)
+                m2 = max(schedule(g2, PlanCosts(op_times(g2, cluster, measured), cluster)).finish)
                 if m2 < makespan and (found is None or m2 < found[0]):
                     found = (m2, g2, dim, parts)
         if found is None:
             break  # FastT stops at the first critical-path op that no split helps
         m2, g2, dim, parts = found
-        s2 = dpos_strategy(g2, cluster, planner="fastt", replicas=best.replicas)
-        misfit, t2 = _judge(g2, s2, cluster)
+        s2 = dpos_strategy(g2, cluster, PlanCosts(op_times(g2, cluster, measured), cluster), planner="fastt",
+                           replicas=best.replicas)
+        misfit, t2 = _judge(g2, s2, cluster, measured)
         if misfit or t2 >= best_t:
             break
         g, best, best_t, makespan = g2, s2, t2, m2

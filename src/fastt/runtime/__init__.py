@@ -2,39 +2,75 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..api import capture, measure, plan, simulate
 from ..capture import bind
-from ..cluster import cluster
-from ..cost import calibrate_cpu
+from ..cluster import Cluster, cluster
+from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
-from ..graph import rebatch
+from ..graph import OpGraph, rebatch
 from ..lower import Lowered, lower
 from ..strategy import Strategy
-from .local import StepError, compile_programs, run_step
+from .local import Segment, StepError, compile_programs, run_step
+from .tune import Tuner
 
-__all__ = ["ParallelStep", "StepError", "parallelize"]
+__all__ = ["ParallelStep", "Placed", "StepError", "Tuner", "parallelize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A strategy ready to run: its per-device programs and its simulated iteration time (measured op costs)."""
+
+    strategy: Strategy
+    lowered: Lowered
+    programs: tuple[tuple[Segment, ...], ...]
+    simulated_s: float
+
+
+def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts) -> Placed:
+    """Lower and compile `strategy`; a strategy that does not fit in device memory is refused."""
+    tl = simulate(graph, strategy, cl, costs)
+    if not tl.fits:
+        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
+    low = lower(graph, strategy)
+    return Placed(strategy, low, compile_programs(low), tl.iteration_s)
 
 
 class ParallelStep:
     """One training step of a model under a plan: `loss = step(*batch)`. The model's parameters and the
-    optimizer's state are the truth: they are updated in place after every step (read them at any time)."""
+    optimizer's state are the truth: they are updated in place after every step (read them at any time).
+    With a `tuner`, the first steps of training also tune the plan (see `fastt.runtime.tune`)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, low: Lowered,
-                 strategy: Strategy, simulated_s: float, threads_per_device: int) -> None:
-        self.model, self.optimizer, self.lowered, self.strategy = model, optimizer, low, strategy
-        self.programs = compile_programs(low)
-        self.simulated_s = simulated_s
-        self.threads_per_device = threads_per_device
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
+                 costs: MeasuredCosts, placed: Placed, threads_per_device: int, tuner: Tuner | None = None) -> None:
+        self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
+        self.costs, self.placed, self.threads_per_device, self.tuner = costs, placed, threads_per_device, tuner
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.placed.strategy
+
+    @property
+    def lowered(self) -> Lowered:
+        return self.placed.lowered
+
+    @property
+    def simulated_s(self) -> float:
+        return self.placed.simulated_s
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        tuning = self.tuner is not None and self.tuner.active
+        timings: list | None = [] if tuning else None
+        t0 = time.perf_counter()
         step = self.lowered.step
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
-        loss, new_params, new_states = run_step(self.lowered, self.programs, params, buffers, states, batch,
-                                                self.threads_per_device)
+        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
+                                                self.threads_per_device, timings)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
         # the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
@@ -43,26 +79,47 @@ class ParallelStep:
         for p, keys in zip(params, step.state_keys):
             for k in keys:
                 self.optimizer.state[p][k] = next(fresh)
+        if tuning:
+            self.tuner.observe(self, time.perf_counter() - t0, timings)
         return loss
+
+
+def measured_costs(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int) -> MeasuredCosts:
+    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape)."""
+    seconds: dict[str, float] = {}
+    for b in dict.fromkeys(batches):
+        seconds |= measure(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
+                           progress=False).seconds
+    return MeasuredCosts(kind="cpu", threads=threads, seconds=seconds)
 
 
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
-                strategy: Strategy | None = None) -> ParallelStep:
+                strategy: Strategy | None = None, tune: bool | Tuner = False) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
-    the step callable. CPU worker devices (`cpu:N`) run here; the CUDA runtime is not built yet."""
+    the step callable. CPU worker devices (`cpu:N`) run here; the CUDA runtime is not built yet.
+
+    Op times are measured on a worker device (its share of the cores) before planning; the `fastt` planner plans
+    with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and runs FastT's
+    tuning loop during the first steps.
+    """
     cl = cluster(devices)
     if any(d.kind != "cpu" for d in cl.devices):
         raise FasttError(f"running on {devices} is not supported yet: the local runtime runs cpu:N devices")
     cl = calibrate_cpu(cl)
-    threads = max(1, torch.get_num_threads() // len(cl.devices))
+    n = len(cl.devices)
+    threads = max(1, torch.get_num_threads() // n)
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
-    strategy = strategy or plan(graph, cl, planner)
-    tl = simulate(graph, strategy, cl)
-    if not tl.fits:
-        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    # The simulated time of the plan with every op's time measured on a worker device (its share of the cores).
-    part = rebatch(graph, graph.batch // strategy.replicas)
-    costs = measure(part, model, optimizer, example_inputs, threads=threads, progress=False)
-    simulated = simulate(graph, strategy, cl, costs).iteration_s
-    return ParallelStep(model, optimizer, lower(graph, strategy), strategy, simulated, threads)
+    tuner = Tuner() if tune is True else tune or None
+    if strategy is None and tuner is not None and graph.batch % n == 0:
+        strategy = plan(graph, cl, "dp")
+        if not simulate(graph, strategy, cl).fits:
+            strategy = None
+    if strategy is not None and tuner is None:
+        batches = [graph.batch // strategy.replicas]
+    else:  # what the fastt planner compares: the whole step and the data-parallel replicas' step
+        batches = [graph.batch] + ([graph.batch // n] if graph.batch % n == 0 else [])
+    costs = measured_costs(graph, model, optimizer, example_inputs, batches, threads)
+    strategy = strategy or plan(graph, cl, planner, measured=costs)
+    return ParallelStep(model, optimizer, graph, cl, costs, place(graph, strategy, cl, costs), threads, tuner)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import parallelize
+from .tune import Tuner
 from .reference import batch_like, eager_dp_step, eager_step, max_param_rel_diff
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
@@ -22,12 +23,13 @@ def _timed(fn: Callable, *args: object) -> float:
 
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
-                 check: bool) -> dict:
+                 check: bool, tune: bool = False) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
-    Measured iteration time: the median over the steps after the first. With `check`, the same steps are also
-    trained in eager mode (data-parallel plans against eager data parallelism, DDP semantics) with the worker
-    devices' thread count, and the largest relative difference of any parameter is reported.
+    Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
+    its plan in the first steps: the median over the steps after tuning). With `check`, the same steps are also
+    trained in eager mode (steps of data-parallel plans against eager data parallelism, DDP semantics) with the
+    worker devices' thread count, and the largest relative difference of any parameter is reported.
     """
     results, worst = [], 0.0
     for planner in planners:
@@ -39,28 +41,36 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
             results.append({"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
                             "simulated_iteration_s": None, "error": None})
             continue
-        step = parallelize(model, loss_fn, opt, inputs, devices, planner)
-        times = [_timed(step, *b) for b in batches]
-        measured = statistics.median(times[1:] or times)
+        tuner = Tuner() if tune and planner == "fastt" else None
+        step = parallelize(model, loss_fn, opt, inputs, devices, planner, tune=tuner or False)
+        times, replicas, tuned = [], [], 0
+        for b in batches:
+            replicas.append(step.strategy.replicas)
+            times.append(_timed(step, *b))
+            tuned += tuner is not None and tuner.active
+        after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
+        measured = statistics.median(after)
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits)})
+                        "splits": len(step.strategy.splits),
+                        "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
         if check:
-            worst = max(worst, _check(make, initial, batches, step, model))
+            worst = max(worst, _check(make, initial, batches, replicas, step.threads_per_device, model))
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None}
 
 
-def _check(make: Callable[[], Workload], initial: dict, batches: list, step, trained: torch.nn.Module) -> float:
+def _check(make: Callable[[], Workload], initial: dict, batches: list, replicas: list[int], threads: int,
+           trained: torch.nn.Module) -> float:
     _, model, loss_fn, opt, _ = make()
     model.load_state_dict(initial)
     old = torch.get_num_threads()
-    torch.set_num_threads(step.threads_per_device)
+    torch.set_num_threads(threads)
     try:
-        for b in batches:
-            if step.strategy.replicas > 1:
-                eager_dp_step(model, loss_fn, opt, b, step.strategy.replicas)
+        for b, r in zip(batches, replicas):
+            if r > 1:
+                eager_dp_step(model, loss_fn, opt, b, r)
             else:
                 eager_step(model, loss_fn, opt, b)
     finally:

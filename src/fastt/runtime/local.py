@@ -16,6 +16,7 @@ name.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,8 +93,8 @@ class _Run:
     """The state of one step: values per replica, the ops finished so far, the first error."""
 
     def __init__(self, low: Lowered, programs: tuple[tuple[Segment, ...], ...], envs: list[dict],
-                 threads: int) -> None:
-        self.low, self.programs, self.envs, self.threads = low, programs, envs, threads
+                 threads: int, timings: list | None) -> None:
+        self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
         self.nodes = {n.name: n for n in low.step.gm.graph.nodes}
         self.done: set[int] = set()  # ops whose results are in the envs (allreduces included)
         self.claimed: set[int] = set()  # allreduces some device has started
@@ -163,6 +164,7 @@ class _Run:
 
     def run_segment(self, seg: Segment, d: int) -> bool:
         env = self.envs[seg.replica]
+        t0 = time.perf_counter()
         try:
             if seg.fn is None:
                 for t in seg.tasks:
@@ -176,6 +178,8 @@ class _Run:
                     self.error = (t.name, d, e)
                 self.cv.notify_all()
             return False
+        if self.timings is not None:
+            self.timings.append((seg, d, time.perf_counter() - t0))
         self.finished([t.op for t in seg.tasks])
         return True
 
@@ -190,9 +194,10 @@ class _Run:
 
 def run_step(low: Lowered, programs: tuple[tuple[Segment, ...], ...], params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
-             threads_per_device: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+             threads_per_device: int = 1,
+             timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
-    state tensors)."""
+    state tensors). `timings` collects (segment, device, seconds) of every segment run."""
     r = low.replicas
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
@@ -203,7 +208,7 @@ def run_step(low: Lowered, programs: tuple[tuple[Segment, ...], ...], params: Se
         own = list(buffers) if k == 0 else [x.clone() for x in buffers]
         flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
         envs.append(dict(zip(placeholders, flat)))
-    run = _Run(low, programs, envs, threads_per_device)
+    run = _Run(low, programs, envs, threads_per_device, timings)
     with torch.no_grad():
         for env in envs:
             for name in low.prelude:
