@@ -44,17 +44,18 @@ def capture(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Op
 
 def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             example_inputs: Sequence[torch.Tensor], threads: int = 1, runs: int = 5,
-            progress: bool = True) -> MeasuredCosts:
+            progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
     """Measured op times of `graph` (captured from this model) on this CPU with `threads` threads.
 
     The step runs on copies of the real parameters, buffers and optimizer state: the model is not changed.
     Data parallelism places the step at batch/N: measure `rebatch(graph, b)` with the inputs sliced to b.
+    `concurrent` copies run at once (see `cost.measure`): op times as when that many worker devices are busy.
     """
     step = graph.fx
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=False)
     inputs = tuple(x[:graph.batch] for x in example_inputs)
     return _measure(graph, [params, buffers, states, *inputs], kind="cpu", threads=threads, runs=runs,
-                    progress=progress)
+                    progress=progress, concurrent=concurrent)
 
 
 def _with_recapture(g: OpGraph, fn: Callable[[int], OpGraph]) -> OpGraph:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -76,48 +77,65 @@ def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
     return t
 
 
-class _TimingInterpreter(torch.fx.Interpreter):
-    """Runs the step and records each node's wall time (kernels run synchronously on CPU)."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.elapsed: dict[str, float] = {}
-
-    def run_node(self, n: torch.fx.Node):
-        t0 = time.perf_counter()
-        out = super().run_node(n)
-        self.elapsed[n.name] = time.perf_counter() - t0
-        return out
+def _timed_code(gm: torch.fx.GraphModule) -> tuple[Callable, list[str]]:
+    """The step's generated code with a clock read after every aten call: fn(*flat inputs) -> clock readings
+    (one before the first call, then one per name in the returned list). It runs the same code as the runtime, so
+    the per-call Python overhead is what the runtime pays."""
+    g = torch.fx.Graph()
+    values: dict[str, torch.fx.Node] = {}
+    ticks, names = [], []
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        values[n.name] = g.node_copy(n, lambda a: values[a.name])
+        if n.op == "call_function":
+            if not ticks:
+                ticks.append(g.call_function(time.perf_counter))
+                values[n.name].prepend(ticks[0])
+            ticks.append(g.call_function(time.perf_counter))
+            names.append(n.name)
+    g.output(tuple(ticks))
+    return torch.fx.GraphModule(gm, g).forward, names
 
 
 def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads: int = 1, runs: int = 5,
-            progress: bool = True) -> MeasuredCosts:
+            progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
     """Time every op of `graph` on this CPU with `threads` threads: median over `runs` whole-step runs.
 
     `real_inputs` are the step's graph inputs with real tensors (params, buffers, states, *batch); they are
-    cloned, so the caller's model and optimizer are not changed.
+    cloned, so the caller's model and optimizer are not changed. `concurrent` copies of the step run at once in
+    as many threads (the op times then include what sharing the machine's caches and memory bandwidth costs, as
+    when `concurrent` worker devices are busy).
     """
     step = graph.fx
     if step is None:
         raise FasttError("this graph was not captured from a model: nothing to measure")
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    fn, names = _timed_code(step.gm)
+    flat = torch.utils._pytree.tree_leaves(list(real_inputs))
+    readings: list[list[float]] = []
+
+    def worker() -> None:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            for r in range(runs + 1):
+                ticks = fn(*[x.clone() if isinstance(x, torch.Tensor) else x for x in flat])
+                if r:  # the first run warms up the allocator and lazy init
+                    readings.append(ticks)
+
+    workers = [threading.Thread(target=worker) for _ in range(concurrent)]
+    for w in tqdm(workers, desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
+        w.start()
+    for w in workers:
+        w.join()
     samples: dict[str, list[float]] = {}
-    try:
-        for r in tqdm(range(runs + 1), desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
-            args = torch.utils._pytree.tree_map(
-                lambda x: x.clone() if isinstance(x, torch.Tensor) else x, list(real_inputs))
-            interp = _TimingInterpreter(step.gm)
-            with torch.no_grad():
-                interp.run(*args)
-            if r == 0:
-                continue  # warm-up: allocator and lazy init
-            for op in graph.ops:
-                if op.signature:
-                    samples.setdefault(op.signature, []).append(sum(interp.elapsed.get(n, 0.0) for n in op.nodes))
-    finally:
-        torch.set_num_threads(old)
-    return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.median(v) for s, v in samples.items()})
+    for ticks in readings:
+        elapsed = dict(zip(names, np.diff(ticks)))
+        for op in graph.ops:
+            if op.signature:
+                samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))
+    if len(readings) < concurrent * runs:
+        raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback above)")
+    return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.mean(v) for s, v in samples.items()})
 
 
 def fit_transfers(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from ..errors import FasttError
 from ..graph import OpGraph, rebatch
 from ..lower import Lowered, lower
 from ..strategy import Strategy
-from .local import Segment, StepError, compile_programs, run_step
+from .local import Programs, StepError, compile_programs, run_step
 from .tune import Tuner
 
 __all__ = ["ParallelStep", "Placed", "StepError", "Tuner", "parallelize"]
@@ -28,7 +28,7 @@ class Placed:
 
     strategy: Strategy
     lowered: Lowered
-    programs: tuple[tuple[Segment, ...], ...]
+    programs: Programs
     simulated_s: float
 
 
@@ -85,12 +85,14 @@ class ParallelStep:
 
 
 def measured_costs(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int) -> MeasuredCosts:
-    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape)."""
+                   example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
+                   concurrent: int) -> MeasuredCosts:
+    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape),
+    with `concurrent` copies running at once."""
     seconds: dict[str, float] = {}
     for b in dict.fromkeys(batches):
         seconds |= measure(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
-                           progress=False).seconds
+                           progress=False, concurrent=concurrent).seconds
     return MeasuredCosts(kind="cpu", threads=threads, seconds=seconds)
 
 
@@ -116,10 +118,15 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         strategy = plan(graph, cl, "dp")
         if not simulate(graph, strategy, cl).fits:
             strategy = None
+    if strategy is None and planner != "fastt":  # the other planners plan with the cost model's estimates
+        strategy = plan(graph, cl, planner)
     if strategy is not None and tuner is None:
         batches = [graph.batch // strategy.replicas]
     else:  # what the fastt planner compares: the whole step and the data-parallel replicas' step
         batches = [graph.batch] + ([graph.batch // n] if graph.batch % n == 0 else [])
-    costs = measured_costs(graph, model, optimizer, example_inputs, batches, threads)
-    strategy = strategy or plan(graph, cl, planner, measured=costs)
+    # Worker devices share the machine's caches and memory bandwidth: ops are timed with every device busy,
+    # unless the plan uses one device.
+    busy = 1 if strategy is not None and len(set(strategy.placement.values())) == 1 else n
+    costs = measured_costs(graph, model, optimizer, example_inputs, batches, threads, busy)
+    strategy = strategy or plan(graph, cl, "fastt", measured=costs)
     return ParallelStep(model, optimizer, graph, cl, costs, place(graph, strategy, cl, costs), threads, tuner)

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import parallelize
-from .tune import Tuner
 from .reference import batch_like, eager_dp_step, eager_step, max_param_rel_diff
+from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
 

@@ -62,76 +62,111 @@ def _generate(low: Lowered, tasks: Sequence[Task]) -> tuple[tuple[str, ...], tup
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
 
 
-def compile_programs(low: Lowered) -> tuple[tuple[Segment, ...], ...]:
+@dataclass(frozen=True)
+class Programs:
+    """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for."""
+
+    devices: tuple[tuple[Segment, ...], ...]
+    signals: frozenset[int]
+
+
+def compile_programs(low: Lowered) -> Programs:
     """Each device's program as segments (see the module docstring)."""
     device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
 
     def foreign(t: Task, d: int) -> tuple[int, ...]:
         return tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
 
-    signals = {j for d, program in enumerate(low.programs) for t in program for j in foreign(t, d)}
-    signals |= {j for a in low.allreduces for j in low.graph.ops[a].inputs}
+    def gated(t: Task, d: int) -> bool:  # waits for an allreduce, and for nothing else on another device
+        return bool(t.waits) and all(j in low.allreduces for j in foreign(t, d)) and bool(foreign(t, d))
+
+    handoffs = {j for d, program in enumerate(low.programs) for t in program for j in foreign(t, d)
+                if j not in low.allreduces}
     programs = []
     for d, program in enumerate(low.programs):
         runs: list[list[Task]] = []
         for t in program:
             prev = runs[-1][-1] if runs else None
-            if (prev is None or foreign(t, d) or t.kind != RUN or prev.kind != RUN or prev.op in signals
+            # Gradients are not cut out of a segment for the allreduce: its readers, the updates, come at the
+            # end of the backward. A run of updates waits for all its allreduces up front.
+            joins = prev is not None and (not foreign(t, d) or gated(t, d) and gated(prev, d))
+            if (not joins or t.kind != RUN or prev.kind != RUN or prev.op in handoffs
                     or prev.replica != t.replica):
                 runs.append([])
             runs[-1].append(t)
         segments = []
         for tasks in runs:
-            waits = tuple(dict.fromkeys(j for t in tasks for j in foreign(t, d)))
+            waits = list(dict.fromkeys(j for t in tasks for j in foreign(t, d)))
+            # Devices take a run's allreduces from different starting points, so they compute them side by side.
+            k = len(waits) * d // len(low.programs)
+            waits = tuple(waits[k:] + waits[:k])
             code = _generate(low, tasks) if tasks[0].kind == RUN else ((), (), None)
             segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
         programs.append(tuple(segments))
-    return tuple(programs)
+    signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
+    return Programs(tuple(programs), frozenset(signals))
 
 
 class _Run:
     """The state of one step: values per replica, the ops finished so far, the first error."""
 
-    def __init__(self, low: Lowered, programs: tuple[tuple[Segment, ...], ...], envs: list[dict],
-                 threads: int, timings: list | None) -> None:
+    def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
+                 timings: list | None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
         self.nodes = {n.name: n for n in low.step.gm.graph.nodes}
-        self.done: set[int] = set()  # ops whose results are in the envs (allreduces included)
+        # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
+        self.events = {op: threading.Event() for op in programs.signals}
+        self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
-        self.cv = threading.Condition()
         self.error: tuple[str, int, BaseException] | None = None
 
     def wait(self, op: int) -> bool:
         """Wait for op's results; False when another device failed (stop)."""
-        if op in self.low.allreduces:
-            with self.cv:
-                first = op not in self.claimed
-                self.claimed.add(op)
-            if first:
-                return self.allreduce(op)
-        with self.cv:
-            while op not in self.done and self.error is None:
-                self.cv.wait()
-            return op in self.done
+        self.events[op].wait()
+        return self.error is None
+
+    def wait_all(self, ops: Sequence[int], chunk: int = 16) -> bool:
+        """Wait for every op of `ops`. Allreduces no device has started are claimed and computed here: the next
+        one, with those of the following `chunk` whose gradients are all there already (one batch). A device
+        never holds a claim on an allreduce while it waits for another one's gradients: no deadlock."""
+        for k, a in enumerate(ops):
+            if a not in self.low.allreduces:
+                continue
+            with self.lock:
+                if a in self.claimed:
+                    continue
+                ready = [b for b in ops[k:k + chunk] if b in self.low.allreduces and b not in self.claimed
+                         and all(self.events[j].is_set() for j in self.low.graph.ops[b].inputs)]
+                batch = ready if a in ready else [a]
+                self.claimed.update(batch)
+            if not self.allreduce(batch):
+                return False
+        return all(self.wait(j) for j in ops)
 
     def finished(self, ops: Sequence[int]) -> None:
-        with self.cv:
-            self.done.update(ops)
-            self.cv.notify_all()
+        for op in ops:
+            if op in self.events:
+                self.events[op].set()
 
-    def allreduce(self, a: int) -> bool:
-        """Average the gradients of allreduce `a` across replicas (once: the first device that needs it)."""
-        if not all(self.wait(j) for j in self.low.graph.ops[a].inputs):
+    def fail(self, name: str, d: int, e: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = (name, d, e)
+        for ev in self.events.values():
+            ev.set()
+
+    def allreduce(self, ops: Sequence[int]) -> bool:
+        """Average the gradients of allreduces `ops` across replicas, summed in replica order."""
+        if not all(self.wait(j) for a in ops for j in self.low.graph.ops[a].inputs):
             return False
-        for name in self.low.allreduces[a]:
-            values = [env[name] for env in self.envs]
-            total = values[0]
-            for v in values[1:]:
-                total = total + v
-            mean = total / len(values)
-            for env in self.envs:
-                env[name] = mean
-        self.finished((a,))
+        names = [name for a in ops for name in self.low.allreduces[a]]
+        total = [self.envs[0][name] for name in names]
+        for env in self.envs[1:]:
+            total = torch._foreach_add(total, [env[name] for name in names])
+        torch._foreach_div_(total, float(len(self.envs)))
+        for env in self.envs:
+            env.update(zip(names, total))
+        self.finished(ops)
         return True
 
     def call(self, name: str, env: dict) -> None:
@@ -172,11 +207,7 @@ class _Run:
             else:
                 env.update(zip(seg.outputs, seg.fn(*[env[name] for name in seg.inputs])))
         except BaseException as e:  # noqa: BLE001 - reported with the op's name, other devices stop
-            t = self.culprit(seg, env) if seg.fn is not None else seg.tasks[-1]
-            with self.cv:
-                if self.error is None:
-                    self.error = (t.name, d, e)
-                self.cv.notify_all()
+            self.fail((self.culprit(seg, env) if seg.fn is not None else seg.tasks[-1]).name, d, e)
             return False
         if self.timings is not None:
             self.timings.append((seg, d, time.perf_counter() - t0))
@@ -187,12 +218,12 @@ class _Run:
         # Grad mode and the intra-op thread count are per thread.
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.threads)
-        for seg in self.programs[d]:
-            if not all(self.wait(j) for j in seg.waits) or not self.run_segment(seg, d):
+        for seg in self.programs.devices[d]:
+            if not self.wait_all(seg.waits) or not self.run_segment(seg, d):
                 return
 
 
-def run_step(low: Lowered, programs: tuple[tuple[Segment, ...], ...], params: Sequence[torch.Tensor],
+def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
              threads_per_device: int = 1,
              timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -213,7 +244,7 @@ def run_step(low: Lowered, programs: tuple[tuple[Segment, ...], ...], params: Se
         for env in envs:
             for name in low.prelude:
                 run.call(name, env)
-    workers = [threading.Thread(target=run.device, args=(d,), daemon=True) for d in range(len(programs))]
+    workers = [threading.Thread(target=run.device, args=(d,), daemon=True) for d in range(len(programs.devices))]
     for w in workers:
         w.start()
     for w in workers:
