@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_capture import RECURRENT, eager_step, fresh_batch
 
 import fastt
 from fastt import zoo
 from fastt.cluster import cluster
 from fastt.errors import FasttError
+from fastt.graph import data_parallel_graph
 from fastt.plan import PLANNERS
+from fastt.plan.common import strategy_from
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
 from fastt.runtime.reference import eager_dp_step
@@ -137,3 +142,40 @@ def test_a_plan_that_does_not_fit_is_refused_before_running(tmp_path: Path) -> N
     with pytest.raises(FasttError, match=r"does not fit in device memory: device \d \(cpu:\d\) needs"):
         parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, str(tmp_path / "tiny.json"), "dp")
     assert all(torch.equal(a, b) for a, b in zip(before, ours.model.parameters()))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), replicas=st.sampled_from([1, 2]))
+def test_any_valid_plan_finishes_and_trains_as_eager(seed: int, replicas: int) -> None:
+    """Random placements and random topological orders (of the data-parallel graph too): every device waits only
+    for what it reads, so no plan deadlocks, and every plan trains as eager does."""
+    ref, ours = pair("mlp")
+    g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
+    dg = data_parallel_graph(g, replicas)
+    rng = random.Random(seed)
+    rank = random_topological_rank(dg, rng)
+    s = strategy_from(dg, "random", 2, [rng.randrange(2) for _ in dg.ops], start=rank, replicas=replicas)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)
+    for i in range(2):
+        batch = fresh_batch(ref, i)
+        if replicas > 1:
+            eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, replicas)
+        else:
+            eager_step(ref, batch)
+        step(*batch)
+    assert_same(ref, ours)
+
+
+def random_topological_rank(g, rng: random.Random) -> list[int]:
+    """Kahn's algorithm with random tie-breaking: rank[i] is op i's position."""
+    indeg = [len(set(op.inputs)) for op in g.ops]
+    ready = [i for i, k in enumerate(indeg) if k == 0]
+    rank = [0] * len(g.ops)
+    for pos in range(len(g.ops)):
+        i = ready.pop(rng.randrange(len(ready)))
+        rank[i] = pos
+        for s in g.succs[i]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return rank

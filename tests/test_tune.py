@@ -1,0 +1,89 @@
+"""FastT's tuning loop: refit op costs from profiled segments, replan, keep a plan only if it measured faster."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 - fixture used by every test
+
+from fastt.cost import op_times
+from fastt.plan.common import strategy_from
+from fastt.runtime import Tuner, parallelize
+from fastt.runtime.reference import batch_like, eager_dp_step, eager_step
+from fastt.runtime.tune import change, refit
+
+
+def ping_pong(name: str = "mlp"):
+    """A workload and a poor plan: ops alternate between the two devices (every edge crosses)."""
+    ref, ours = pair(name)
+    import fastt
+
+    g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
+    return ref, ours, strategy_from(g, "ping-pong", 2, [i % 2 for i in range(len(g.ops))])
+
+
+def test_refit_scales_each_segments_ops_by_its_measured_over_predicted_time() -> None:
+    _, ours = pair("mlp")
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", "single")
+    times = op_times(step.lowered.graph, step.cluster, step.costs)
+    seg = step.placed.programs.devices[0][0]
+    predicted = sum(times[t.op, 0] for t in seg.tasks)
+    new = refit(step.placed, [(seg, 0, 2 * predicted)], step.costs, step.cluster)
+    for t in seg.tasks:
+        sig = step.lowered.graph.ops[t.op].signature
+        if sig and times[t.op, 0] > 0:
+            assert new.seconds[sig] == pytest.approx(2 * step.costs.seconds[sig])
+    assert change(step.costs, new) == pytest.approx(1.0)
+    assert change(step.costs, step.costs) == 0.0
+
+
+@pytest.mark.parametrize(("trial_s", "kept"), [(2.0, False), (0.5, True)])
+def test_a_trial_plan_is_kept_only_if_it_measured_faster(trial_s: float, kept: bool) -> None:
+    _, ours, start = ping_pong()
+    lines: list[str] = []
+    tuner = Tuner(window=2, max_rounds=1, log=lines.append)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=start,
+                       tune=tuner)
+    first = step.placed
+    for _ in range(2):  # the profiling window of the running plan: 1 s a step
+        tuner.observe(step, 1.0, [])
+    assert step.strategy != first.strategy, "the planner should replace a ping-pong plan"
+    for _ in range(2):  # the trial window
+        tuner.observe(step, trial_s, [])
+    assert (step.strategy != first.strategy) == kept
+    assert [r.kept for r in tuner.rounds] == [True, kept]
+    assert "rolled back" in lines[1] if not kept else "kept" in lines[1]
+    assert not tuner.active and lines[-1].startswith("tune: done")
+
+
+def test_tuning_while_training_keeps_training_exact() -> None:
+    """Real steps with real timings: plans change while training, and every step trains as eager does (data-
+    parallel steps as eager data parallelism)."""
+    ref, ours, start = ping_pong()
+    lines: list[str] = []
+    tuner = Tuner(window=2, max_rounds=2, log=lines.append)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=start,
+                       tune=tuner)
+    rng = random.Random(0)
+    for i in range(12):
+        batch = batch_like(ref.example_inputs, rng.randrange(1000))
+        r = step.strategy.replicas
+        if r > 1:
+            eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, r)
+        else:
+            eager_step(ref.model, ref.loss_fn, ref.optimizer, batch)
+        step(*batch)
+    assert_same(ref, ours)
+    assert not tuner.active and tuner.rounds and lines[-1].startswith("tune: done")
+    assert all("simulated" in line and "measured" in line for line in lines[:-1])
+    assert all(r.measured_s > 0 and r.simulated_s > 0 for r in tuner.rounds)
+    assert torch.isfinite(torch.tensor(step.simulated_s))
+
+
+def test_tune_starts_data_parallel() -> None:
+    _, ours = pair("mlp")
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2",
+                       tune=Tuner(log=lambda line: None))
+    assert step.strategy.planner == "dp" and step.strategy.replicas == 2
