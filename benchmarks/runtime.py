@@ -1,0 +1,194 @@
+"""The local runtime measured on this machine's CPU worker devices, as ratios in one run.
+
+Three tables, written to out/runtime.json and docs/runtime.md (generated from the JSON by this script):
+1. Speed on cpu:2 at batch sizes where the average op takes over 100 µs: `fastt` (tuned while training, FastT's
+   loop) against one device, data parallelism and plain eager PyTorch using both cores.
+2. Simulated vs measured iteration time for `fastt`, `dp` and `single` on every zoo model at test size.
+3. Runtime overhead on one device (cpu:1, all cores) against plain eager PyTorch with the same thread count.
+Plus the machine's ceiling for two worker devices: one device's step alone vs two copies of it at once.
+
+Usage:
+  .venv/bin/python benchmarks/runtime.py            # everything (about 25 minutes on 2 cores)
+  .venv/bin/python benchmarks/runtime.py --small    # what CI runs: small models, few steps, no doc
+  .venv/bin/python benchmarks/runtime.py --render   # only rewrite docs/runtime.md from out/runtime.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from fastt import zoo
+from fastt.runtime import parallelize
+from fastt.runtime.bench import run_planners
+from fastt.runtime.reference import batch_like, eager_step
+
+ROOT = Path(__file__).resolve().parent.parent
+RECURRENT = ("rnnlm", "gnmt")
+# Batch sizes where the average op of the step takes over 100 µs on one worker device here.
+SPEED = {"vgg19": 64, "resnet50": 64, "inception_v3": 128, "transformer": 32, "bert-base": 32}
+
+
+def make(name: str, batch: int | None):
+    def build() -> tuple:
+        torch.manual_seed(0)
+        w = zoo.get(name, "test", batch=batch, dropout=False)
+        return name, w.model, w.loss_fn, w.optimizer, w.example_inputs
+    return build
+
+
+def speed(models: dict[str, int], steps: int) -> list[dict]:
+    rows = []
+    for name, batch in models.items():
+        print(f"speed: {name} batch {batch}", file=sys.stderr)
+        with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+            out = run_planners(make(name, batch), "cpu:2", ["fastt", "dp", "single", "eager"], steps, check=False,
+                               tune=True)
+        t = {r["planner"]: r["measured_iteration_s"] for r in out["results"]}
+        fastt = next(r for r in out["results"] if r["planner"] == "fastt")
+        rows.append({"model": name, "batch": batch, "seconds": t, "tuning": fastt["tuning"],
+                     "fastt_plan": {"replicas": fastt["replicas"], "splits": fastt["splits"]},
+                     "fastt_over_single": t["single"] / t["fastt"], "fastt_over_dp": t["dp"] / t["fastt"],
+                     "fastt_over_eager": t["eager"] / t["fastt"]})
+    return rows
+
+
+def accuracy(models: list[str], steps: int) -> list[dict]:
+    rows = []
+    for name in models:
+        print(f"accuracy: {name}", file=sys.stderr)
+        with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+            out = run_planners(make(name, None), "cpu:2", ["fastt", "dp", "single"], steps, check=False)
+        rows += [{"model": name, "planner": r["planner"], "measured_s": r["measured_iteration_s"],
+                  "simulated_s": r["simulated_iteration_s"], "error": r["error"]} for r in out["results"]]
+    return rows
+
+
+def overhead(models: list[str], steps: int) -> list[dict]:
+    """fastt's runtime with the one-device plan on cpu:1 against eager, steps interleaved, medians."""
+    rows = []
+    for name in models:
+        print(f"overhead: {name}", file=sys.stderr)
+        ref, ours = zoo.get(name, dropout=False), zoo.get(name, dropout=False)
+        with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+            step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:1", "single")
+            eager, fastt = [], []
+            for i in range(steps + 2):
+                b = batch_like(ref.example_inputs, i)
+                t0 = time.perf_counter()
+                eager_step(ref.model, ref.loss_fn, ref.optimizer, b)
+                t1 = time.perf_counter()
+                step(*b)
+                eager.append(t1 - t0)
+                fastt.append(time.perf_counter() - t1)
+        e, f = statistics.median(eager[2:]), statistics.median(fastt[2:])
+        rows.append({"model": name, "threads": torch.get_num_threads(), "eager_s": e, "fastt_s": f,
+                     "overhead": f / e - 1})
+    return rows
+
+
+def ceiling(models: dict[str, int], runs: int) -> list[dict]:
+    """One worker device's share of a data-parallel step (half the batch, one thread) alone, and two at once:
+    2 × alone / together is the most any plan on two worker devices can gain here."""
+    rows = []
+    for name, batch in models.items():
+        copies = [zoo.get(name, "test", batch=batch // 2, dropout=False) for _ in range(2)]
+        b = batch_like(copies[0].example_inputs, 0)
+
+        def work(w: zoo.Workload) -> None:
+            torch.set_num_threads(1)
+            for _ in range(runs):
+                eager_step(w.model, w.loss_fn, w.optimizer, b)
+        for w in copies:
+            work(w)  # warm-up
+        t0 = time.perf_counter()
+        work(copies[0])
+        alone = time.perf_counter() - t0
+        threads = [threading.Thread(target=work, args=(w,)) for w in copies]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        together = time.perf_counter() - t0
+        rows.append({"model": name, "batch_per_device": batch // 2, "alone_s": alone / runs,
+                     "together_s": together / runs, "best_speedup": 2 * alone / together})
+    return rows
+
+
+def render(out: dict, cmd: str) -> str:
+    ms = 1e3
+    lines = ["# Runtime benchmarks", "", f"Generated by `{cmd}` from `out/runtime.json` "
+             f"({out['machine']}). Times are medians over the steps, in ms; ratios come from one run.", "",
+             "## Speed on cpu:2 (two worker devices, one core each)", "",
+             "`fastt` starts data-parallel and tunes its plan during the first steps (FastT's loop); its time is "
+             "the median after tuning. `eager` is plain PyTorch on both cores (intra-op threads).", "",
+             "| model | batch | fastt | dp | single | eager (2 threads) | fastt vs single | vs dp | vs eager | "
+             "fastt's plan |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["speed"]:
+        s = r["seconds"]
+        plan = f"{r['fastt_plan']['replicas']} replica(s), {r['fastt_plan']['splits']} split(s)"
+        lines.append(f"| {r['model']} | {r['batch']} | {s['fastt'] * ms:.1f} | {s['dp'] * ms:.1f} | "
+                     f"{s['single'] * ms:.1f} | {s['eager'] * ms:.1f} | {r['fastt_over_single']:.2f}x | "
+                     f"{r['fastt_over_dp']:.2f}x | {r['fastt_over_eager']:.2f}x | {plan} |")
+    lines += ["", "### The machine's ceiling for two worker devices", "",
+              "Half of the batch on one thread, alone and with a second copy running at the same time "
+              "(plain eager steps). Two devices can gain at most `2 × alone / together` over one.", "",
+              "| model | batch per device | alone | together | best speedup of 2 devices |", "|---|---|---|---|---|"]
+    for r in out["ceiling"]:
+        lines.append(f"| {r['model']} | {r['batch_per_device']} | {r['alone_s'] * ms:.1f} | "
+                     f"{r['together_s'] * ms:.1f} | {r['best_speedup']:.2f}x |")
+    errors = [abs(r["error"]) for r in out["accuracy"]]
+    lines += ["", "## Simulated vs measured iteration time (cpu:2, test size)", "",
+              f"Median absolute error over {len(errors)} runs: **{statistics.median(errors):.0%}**. "
+              "Op times are measured before planning with every worker device busy (two copies of the step at "
+              "once) unless the plan uses one device; without tuning, nothing is refitted.", "",
+              "| model | planner | measured | simulated | error |", "|---|---|---|---|---|"]
+    for r in out["accuracy"]:
+        lines.append(f"| {r['model']} | {r['planner']} | {r['measured_s'] * ms:.1f} | {r['simulated_s'] * ms:.1f} "
+                     f"| {r['error']:+.0%} |")
+    over = [r["overhead"] for r in out["overhead"]]
+    lines += ["", "## Runtime overhead on one device", "",
+              f"The one-device plan on cpu:1 against plain eager PyTorch with the same threads, steps interleaved. "
+              f"Median overhead: **{statistics.median(over):+.1%}**.", "",
+              "| model | threads | eager | fastt | overhead |", "|---|---|---|---|---|"]
+    for r in out["overhead"]:
+        lines.append(f"| {r['model']} | {r['threads']} | {r['eager_s'] * ms:.1f} | {r['fastt_s'] * ms:.1f} | "
+                     f"{r['overhead']:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--render", action="store_true", help="only rewrite docs/runtime.md from out/runtime.json")
+    a = ap.parse_args()
+    cmd = "python benchmarks/runtime.py"
+    path = ROOT / "out" / ("runtime-small.json" if a.small else "runtime.json")
+    if not a.render:
+        speed_models = {"mlp": 64, "lenet": 64} if a.small else SPEED
+        zoo_models = ["mlp", "lenet"] if a.small else list(zoo.NAMES)
+        steps = 4 if a.small else 20
+        out = {"machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+               "speed": speed(speed_models, steps + 12), "ceiling": ceiling(speed_models, 2 if a.small else 5),
+               "accuracy": accuracy(zoo_models, steps // 2),
+               "overhead": overhead(["mlp", "lenet"] if a.small else [m for m in zoo.NAMES if m != "gnmt"], steps)}
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+    out = json.loads(path.read_text())
+    if not a.small:
+        (ROOT / "docs" / "runtime.md").write_text(render(out, cmd))
+    print(json.dumps({"median_abs_error": statistics.median(abs(r["error"]) for r in out["accuracy"]),
+                      "median_overhead": statistics.median(r["overhead"] for r in out["overhead"]),
+                      "fastt_over_single": {r["model"]: r["fastt_over_single"] for r in out["speed"]}}))
+
+
+if __name__ == "__main__":
+    main()
