@@ -24,3 +24,14 @@ def test_planner_benchmark_small() -> None:
     assert summary["cases"] == 4 and summary["geomean_speedup_over_dp"] >= 1.0  # fastt is never slower than DP
     rows = json.loads((ROOT / "out/planners-small.json").read_text())["rows"]
     assert {r["planner"] for r in rows} >= {"fastt", "dp", "dpos", "heft", "m-topo", "m-etf", "m-sct"}
+
+
+def test_runtime_benchmark_small() -> None:
+    out = subprocess.run([sys.executable, "benchmarks/runtime.py", "--small"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["median_abs_error"] >= 0 and set(summary["fastt_over_single"]) == {"mlp", "lenet"}
+    rows = json.loads((ROOT / "out/runtime-small.json").read_text())
+    assert {r["planner"] for r in rows["accuracy"]} == {"fastt", "dp", "single"}
+    assert all(r["tuning"] and r["tuning"][0]["plan"].startswith("dp") for r in rows["speed"])
+    assert all(r["best_speedup"] > 0 for r in rows["ceiling"])

@@ -35,7 +35,7 @@ def roofline_time(op: Op, dev: Device) -> float:
 
 @dataclass(frozen=True)
 class MeasuredCosts:
-    """Median measured seconds per op signature, for one device kind (e.g. "cpu" with 1 thread)."""
+    """Measured seconds per op signature (mean over runs), for one device kind (e.g. "cpu" with 1 thread)."""
 
     kind: str
     threads: int
@@ -100,7 +100,8 @@ def _timed_code(gm: torch.fx.GraphModule) -> tuple[Callable, list[str]]:
 
 def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads: int = 1, runs: int = 5,
             progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
-    """Time every op of `graph` on this CPU with `threads` threads: median over `runs` whole-step runs.
+    """Time every op of `graph` on this CPU with `threads` threads: the mean over `runs` whole-step runs
+    (a sum of per-op medians misses the occasional slow call that every real run pays).
 
     `real_inputs` are the step's graph inputs with real tensors (params, buffers, states, *batch); they are
     cloned, so the caller's model and optimizer are not changed. `concurrent` copies of the step run at once in

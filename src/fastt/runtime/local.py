@@ -4,9 +4,9 @@
 another device once started (a segment ends where another device waits for its last op, and starts where it
 waits for another device or an allreduce). A segment of plain tasks becomes one generated Python function (torch.fx
 codegen), so its values stay local and only the ones read elsewhere go through the replica's shared table; split
-parts and joins are interpreted. A segment starts when every op it waits for has finished (threads wait on a
-condition, never on the device order of others); torch releases the GIL inside kernels, so devices compute in
-parallel. Worker devices share this process's memory: a transfer is a hand-off, and all holders of a parameter hold
+parts and joins are interpreted. A segment starts when every op it waits for has finished (a thread waits on one
+event per op, never on the device order of others); torch releases the GIL inside kernels, so devices compute in
+parallel. Gradients are averaged by the first device that needs them (see `_Run.wait_all`). Worker devices share this process's memory: a transfer is a hand-off, and all holders of a parameter hold
 the same tensor — so every replica reads the parameters as they were before the step, and the new values are
 written back once the step has finished. Data parallelism keeps per-replica batch-norm buffers (per-device
 statistics, as DDP); replica 0's are kept. An exception in any task stops every device and is raised with the op's
@@ -46,9 +46,9 @@ class Segment:
     fn: Callable | None = None
 
 
-def _generate(low: Lowered, tasks: Sequence[Task]) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
+def _generate(low: Lowered, nodes: dict[str, fx.Node],
+              tasks: Sequence[Task]) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
     """The code of a run of plain tasks: (names it reads, names read after it, function)."""
-    nodes = {n.name: n for n in low.step.gm.graph.nodes}
     names = [name for t in tasks for name in t.nodes]
     inside = set(names)
     inputs = tuple(dict.fromkeys(x.name for name in names for x in nodes[name].all_input_nodes
@@ -78,10 +78,12 @@ def compile_programs(low: Lowered) -> Programs:
         return tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
 
     def gated(t: Task, d: int) -> bool:  # waits for an allreduce, and for nothing else on another device
-        return bool(t.waits) and all(j in low.allreduces for j in foreign(t, d)) and bool(foreign(t, d))
+        f = foreign(t, d)
+        return bool(f) and all(j in low.allreduces for j in f)
 
     handoffs = {j for d, program in enumerate(low.programs) for t in program for j in foreign(t, d)
                 if j not in low.allreduces}
+    nodes = {n.name: n for n in low.step.gm.graph.nodes}
     programs = []
     for d, program in enumerate(low.programs):
         runs: list[list[Task]] = []
@@ -100,7 +102,7 @@ def compile_programs(low: Lowered) -> Programs:
             # Devices take a run's allreduces from different starting points, so they compute them side by side.
             k = len(waits) * d // len(low.programs)
             waits = tuple(waits[k:] + waits[:k])
-            code = _generate(low, tasks) if tasks[0].kind == RUN else ((), (), None)
+            code = _generate(low, nodes, tasks) if tasks[0].kind == RUN else ((), (), None)
             segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
         programs.append(tuple(segments))
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
@@ -108,7 +110,7 @@ def compile_programs(low: Lowered) -> Programs:
 
 
 class _Run:
-    """The state of one step: values per replica, the ops finished so far, the first error."""
+    """The state of one step: values per replica, an event per op some device waits for, the first error."""
 
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
                  timings: list | None) -> None:
