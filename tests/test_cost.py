@@ -103,6 +103,16 @@ def test_measure_times_every_op(mlp) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)  # the model was not trained by measuring
 
 
+def test_measure_with_busy_neighbours_times_the_same_ops(mlp) -> None:
+    """Two copies of the step at once (both worker devices busy): every op is still timed, on copies."""
+    w, g, alone, before = mlp
+    busy = fastt.measure(g, w.model, w.optimizer, w.example_inputs, threads=1, runs=3, progress=False,
+                         concurrent=2)
+    assert set(busy.seconds) == set(alone.seconds)
+    assert all(v > 0 for v in busy.seconds.values())
+    assert all(torch.equal(before[k], v) for k, v in w.model.state_dict().items())
+
+
 def test_measure_needs_a_captured_graph() -> None:
     with pytest.raises(FasttError, match="not captured"):
         fastt.cost.measure(OpGraph(ops=()), [])

@@ -17,7 +17,7 @@ from . import api
 from .cluster import Cluster, cluster
 from .cost import MeasuredCosts, calibrate_cpu
 from .errors import FasttError
-from .graph import OpGraph, rebatch
+from .graph import OpGraph
 from .plan import PLANNERS, get_planner
 from .strategy import Strategy
 
@@ -78,8 +78,10 @@ def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy, cost_fil
     _, model, _, opt, inputs = workload
     if any(getattr(x, "fake_mode", None) is not None or type(x).__name__ == "FakeTensor" for x in inputs):
         raise FasttError("measured costs need real tensors: use --size test (paper sizes are traced fake)")
-    part = rebatch(graph, graph.batch // strategy.replicas)
-    costs = api.measure(part, model, opt, inputs, threads=max(1, torch.get_num_threads() // strategy.n_devices))
+    from .runtime import busy_devices, measure_step
+
+    costs = measure_step(graph, model, opt, inputs, [graph.batch // strategy.replicas],
+                         max(1, torch.get_num_threads() // strategy.n_devices), busy_devices(strategy))
     if cost_file:
         costs.save(cost_file)
     return costs

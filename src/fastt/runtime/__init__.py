@@ -19,7 +19,7 @@ from ..strategy import Strategy
 from .local import Programs, StepError, compile_programs, run_step
 from .tune import Tuner
 
-__all__ = ["ParallelStep", "Placed", "StepError", "Tuner", "parallelize"]
+__all__ = ["ParallelStep", "Placed", "StepError", "Tuner", "busy_devices", "measure_step", "parallelize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +84,15 @@ class ParallelStep:
         return loss
 
 
-def measured_costs(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
-                   concurrent: int) -> MeasuredCosts:
+def busy_devices(strategy: Strategy) -> int:
+    """How many worker devices a plan keeps busy at once, for measuring its ops: worker devices share the
+    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses one."""
+    return 1 if len(set(strategy.placement.values())) == 1 else strategy.n_devices
+
+
+def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
+                 concurrent: int) -> MeasuredCosts:
     """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape),
     with `concurrent` copies running at once."""
     seconds: dict[str, float] = {}
@@ -124,9 +130,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         batches = [graph.batch // strategy.replicas]
     else:  # what the fastt planner compares: the whole step and the data-parallel replicas' step
         batches = [graph.batch] + ([graph.batch // n] if graph.batch % n == 0 else [])
-    # Worker devices share the machine's caches and memory bandwidth: ops are timed with every device busy,
-    # unless the plan uses one device.
-    busy = 1 if strategy is not None and len(set(strategy.placement.values())) == 1 else n
-    costs = measured_costs(graph, model, optimizer, example_inputs, batches, threads, busy)
+    busy = busy_devices(strategy) if strategy is not None else n
+    costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, busy)
     strategy = strategy or plan(graph, cl, "fastt", measured=costs)
     return ParallelStep(model, optimizer, graph, cl, costs, place(graph, strategy, cl, costs), threads, tuner)

@@ -64,10 +64,14 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node],
 
 @dataclass(frozen=True)
 class Programs:
-    """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for."""
+    """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for;
+    the step's nodes by name, its placeholders and its outputs (names), looked up once."""
 
     devices: tuple[tuple[Segment, ...], ...]
     signals: frozenset[int]
+    nodes: dict[str, fx.Node]
+    placeholders: tuple[str, ...]
+    outputs: tuple[str, ...]
 
 
 def compile_programs(low: Lowered) -> Programs:
@@ -106,7 +110,9 @@ def compile_programs(low: Lowered) -> Programs:
             segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
         programs.append(tuple(segments))
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
-    return Programs(tuple(programs), frozenset(signals))
+    placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
+    outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
+    return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs)
 
 
 class _Run:
@@ -115,7 +121,7 @@ class _Run:
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
                  timings: list | None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
-        self.nodes = {n.name: n for n in low.step.gm.graph.nodes}
+        self.nodes = programs.nodes
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
         self.events = {op: threading.Event() for op in programs.signals}
         self.lock = threading.Lock()
@@ -235,12 +241,11 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
     b = batch[0].shape[0] // r
-    placeholders = [n.name for n in low.step.gm.graph.nodes if n.op == "placeholder"]
     envs = []
     for k in range(r):
         own = list(buffers) if k == 0 else [x.clone() for x in buffers]
         flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
-        envs.append(dict(zip(placeholders, flat)))
+        envs.append(dict(zip(programs.placeholders, flat)))
     run = _Run(low, programs, envs, threads_per_device, timings)
     with torch.no_grad():
         for env in envs:
@@ -254,9 +259,8 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
     if run.error is not None:
         name, d, e = run.error
         raise StepError(f"op '{name}' on device {d} failed: {type(e).__name__}: {e}") from e
-    out = list(low.step.gm.graph.nodes)[-1].args[0]
-    n = len(low.step.param_names)
-    loss = sum(env[out[0].name] for env in envs) / r
-    new_params = [envs[0][x.name] for x in out[1 + n:1 + 2 * n]]
-    new_states = [envs[0][x.name] for x in out[1 + 2 * n:]]
+    out, n = programs.outputs, len(low.step.param_names)
+    loss = sum(env[out[0]] for env in envs) / r
+    new_params = [envs[0][x] for x in out[1 + n:1 + 2 * n]]
+    new_states = [envs[0][x] for x in out[1 + 2 * n:]]
     return loss, new_params, new_states
