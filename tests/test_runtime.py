@@ -19,11 +19,14 @@ from fastt import zoo
 from fastt.cluster import cluster
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
-from fastt.plan import PLANNERS
+from fastt.plan import PLANNERS, graph_for
 from fastt.plan.common import strategy_from
+from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
 from fastt.runtime.reference import eager_dp_step
+from fastt.split import split
+from fastt.strategy import Split
 
 STEPS = 10
 
@@ -45,9 +48,13 @@ def pair(name: str, optimizer: str = "sgd") -> tuple[zoo.Workload, zoo.Workload]
     return ref, ours
 
 
-def assert_same(ref: zoo.Workload, ours: zoo.Workload) -> None:
+def assert_same(ref: zoo.Workload, ours: zoo.Workload, scaled: bool = False) -> None:
+    """Parameters and buffers equal (rtol 1e-5). `scaled`: an element may also differ by 1e-5 of its tensor's
+    largest magnitude (a split op sums its parts in another order: a gradient that is a sum with cancellation
+    differs in its last bits relative to the terms, not to the result)."""
     for (n, x), y in zip(ref.model.state_dict().items(), ours.model.state_dict().values()):
-        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        atol = max(1e-7, 1e-5 * x.abs().max().item()) if scaled and x.is_floating_point() and x.numel() else 1e-7
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("planner", ["single", "dpos", "heft"])
@@ -74,18 +81,34 @@ MATRIX = [(m, p) for m in zoo.NAMES for p in PLANNERS] if FULL else [
 @pytest.mark.parametrize(("name", "planner"), MATRIX)
 def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> None:
     """Models with batch norm under a data-parallel plan follow DDP semantics (per-device batch statistics):
-    they are compared with eager data parallelism."""
+    they are compared with eager data parallelism.
+
+    A split op sums its parts in another order than eager's kernel (a relative difference near 1e-6), and in
+    models with batch norm such a difference grows to order 1 within a few steps (resnet50: 7e-6, then 5e-2).
+    So a plan with splits is compared step by step, each step from the same state as eager's, and an element
+    may also differ by 1e-5 of its tensor's largest magnitude (`assert_same(scaled=True)`)."""
     ref, ours = pair(name)
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner)
     for i in range(100 if FULL else 3):
         batch = fresh_batch(ref, i)
+        if step.strategy.splits:
+            same_state(ref, ours)
         with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
             if step.strategy.replicas > 1:
                 eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
             else:
                 eager_step(ref, batch)
         step(*batch)
-    assert_same(ref, ours)
+        if step.strategy.splits:
+            assert_same(ref, ours, scaled=True)
+    assert_same(ref, ours, scaled=bool(step.strategy.splits))
+
+
+def same_state(ref: zoo.Workload, ours: zoo.Workload) -> None:
+    """Give the reference our parameters, buffers and optimizer state."""
+    ref.model.load_state_dict(ours.model.state_dict())
+    for p, q in zip(ref.model.parameters(), ours.model.parameters()):
+        ref.optimizer.state[p] = {k: v.clone() for k, v in ours.optimizer.state[q].items()}
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet50", "bert-base"])
@@ -109,9 +132,8 @@ def test_split_ops_run_exactly() -> None:
     s = split_critical_path(g, start, fastt.simulate(g, start, cl).iteration_s, cl)
     if not s.splits:  # the CPU cost model may find no split worth it: force one to exercise the runtime
         conv = next(op.name for op in g.ops if op.target == "aten.convolution.default")
-        s = dataclasses.replace(start, splits=(fastt.strategy.Split(conv, "batch", 2),))
-        s = fastt.plan.dpos.dpos_strategy(fastt.plan.graph_for(g, s), cl)
-        s = dataclasses.replace(s, splits=(fastt.strategy.Split(conv, "batch", 2),))
+        s = dataclasses.replace(start, splits=(Split(conv, "batch", 2),))
+        s = dataclasses.replace(dpos_strategy(graph_for(g, s), cl), splits=(Split(conv, "batch", 2),))
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)
     for i in range(3):
         batch = fresh_batch(ref, i)
@@ -119,6 +141,32 @@ def test_split_ops_run_exactly() -> None:
         torch.testing.assert_close(step(*batch), expected, rtol=1e-5, atol=1e-6)
     for x, y in zip(ref.model.state_dict().values(), ours.model.state_dict().values()):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)  # a split conv sums its parts in another order
+
+
+@pytest.mark.parametrize(("name", "target", "dim"), [
+    ("resnet50", "aten.convolution_backward.default", "batch"),
+    ("resnet50", "aten.native_batch_norm.default", "channel"),
+    ("bert-base", "aten.addmm.default", "reduction"),
+])
+def test_split_plans_train_as_eager_step_by_step(name: str, target: str, dim: str) -> None:
+    """Every op of `target` split in 2 along `dim`, each step from the same state as eager's (see
+    test_every_model_and_planner_trains_as_eager for why not one trajectory)."""
+    ref, ours = pair(name)
+    g = dataclasses.replace(fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs),
+                            recapture=None)
+    splits = tuple(Split(op.name, dim, 2) for op in g.ops if op.target == target)
+    g2 = g
+    for sp in splits:
+        g2 = split(g2, sp.op, sp.dim, sp.parts)
+    s = dpos_strategy(g2, cluster("cpu:2"))
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2",
+                       strategy=dataclasses.replace(s, splits=splits))
+    for i in range(5):
+        same_state(ref, ours)
+        batch = fresh_batch(ref, i)
+        eager_step(ref, batch)
+        step(*batch)
+        assert_same(ref, ours, scaled=True)
 
 
 def test_an_op_that_raises_stops_every_device_with_its_name() -> None:
