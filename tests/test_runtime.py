@@ -181,6 +181,20 @@ def test_an_op_that_raises_stops_every_device_with_its_name() -> None:
     assert time.perf_counter() - t0 < 10
 
 
+def test_a_failing_allreduce_stops_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, ours = pair("mlp")
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", "dp")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reduce failed")
+
+    monkeypatch.setattr(torch, "_foreach_add", broken)
+    t0 = time.perf_counter()
+    with pytest.raises(StepError, match=r"op 'allreduce before .*' on device \d failed: RuntimeError: reduce failed"):
+        step(*ours.example_inputs)
+    assert time.perf_counter() - t0 < 10
+
+
 def test_a_plan_that_does_not_fit_is_refused_before_running(tmp_path: Path) -> None:
     base = cluster("cpu:2")
     tiny = dataclasses.replace(base, devices=tuple(dataclasses.replace(d, memory_bytes=10**6) for d in base.devices))

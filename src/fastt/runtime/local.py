@@ -227,7 +227,12 @@ class _Run:
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.threads)
         for seg in self.programs.devices[d]:
-            if not self.wait_all(seg.waits) or not self.run_segment(seg, d):
+            try:
+                ready = self.wait_all(seg.waits)
+            except BaseException as e:  # noqa: BLE001 - an allreduce this device computed: stop every device
+                self.fail(f"allreduce before {seg.tasks[0].name}", d, e)
+                return
+            if not ready or not self.run_segment(seg, d):
                 return
 
 
