@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 - fixture used by every test
 
+import fastt
 from fastt.cost import op_times
 from fastt.plan.common import strategy_from
 from fastt.runtime import Tuner, parallelize
@@ -18,8 +19,6 @@ from fastt.runtime.tune import change, refit
 def ping_pong(name: str = "mlp"):
     """A workload and a poor plan: ops alternate between the two devices (every edge crosses)."""
     ref, ours = pair(name)
-    import fastt
-
     g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
     return ref, ours, strategy_from(g, "ping-pong", 2, [i % 2 for i in range(len(g.ops))])
 

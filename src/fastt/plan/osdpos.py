@@ -27,7 +27,7 @@ from ..split import max_parts, split, splittable
 from ..strategy import Split, Strategy
 from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
-from .common import PlanCosts
+from .common import PlanCosts, plan_costs
 from .dpos import dpos_strategy, schedule
 from .heft import heft
 
@@ -39,7 +39,7 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
     """((does not fit, simulated time), graph, strategy) of each starting plan, best first. DPOS on the
     data-parallel graph (N times larger than the plain one) only when DP fits and while the budget lasts."""
     n = len(cluster.devices)
-    costs = PlanCosts(op_times(graph, cluster, measured), cluster)
+    costs = plan_costs(graph, cluster, measured)
     t0 = time.perf_counter()
     plans = [(graph, dpos_strategy(graph, cluster, costs, planner="fastt"))]
     dpos_s = time.perf_counter() - t0
@@ -51,7 +51,7 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
         dp = data_parallel(graph, cluster)
         judged.append((_judge(dp_graph, dp, cluster, measured), dp_graph, dp))
         if not judged[-1][0][0] and time.perf_counter() + n * dpos_s < deadline:
-            dp_costs = PlanCosts(op_times(dp_graph, cluster, measured), cluster)
+            dp_costs = plan_costs(dp_graph, cluster, measured)
             s = dpos_strategy(dp_graph, cluster, dp_costs, planner="fastt", replicas=n)
             judged.append((_judge(dp_graph, s, cluster, measured), dp_graph, s))
     return sorted(((j, g, replace(s, planner="fastt")) for j, g, s in judged), key=lambda x: x[0])
@@ -92,13 +92,13 @@ def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Clus
                 if time.perf_counter() > deadline:
                     return replace(best, splits=tuple(splits))
                 g2 = split(g, name, dim, parts)
-                m2 = max(schedule(g2, PlanCosts(op_times(g2, cluster, measured), cluster)).finish)
+                m2 = max(schedule(g2, plan_costs(g2, cluster, measured)).finish)
                 if m2 < makespan and (found is None or m2 < found[0]):
                     found = (m2, g2, dim, parts)
         if found is None:
             break  # FastT stops at the first critical-path op that no split helps
         m2, g2, dim, parts = found
-        s2 = dpos_strategy(g2, cluster, PlanCosts(op_times(g2, cluster, measured), cluster), planner="fastt",
+        s2 = dpos_strategy(g2, cluster, plan_costs(g2, cluster, measured), planner="fastt",
                            replicas=best.replicas)
         misfit, t2 = _judge(g2, s2, cluster, measured)
         if misfit or t2 >= best_t:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,31 +13,12 @@ from ..cluster import Cluster, cluster
 from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
 from ..graph import OpGraph, rebatch
-from ..lower import Lowered, lower
+from ..lower import Lowered
 from ..strategy import Strategy
-from .local import Programs, StepError, compile_programs, run_step
+from .local import Placed, StepError, place, run_step
 from .tune import Tuner
 
 __all__ = ["ParallelStep", "Placed", "StepError", "Tuner", "busy_devices", "measure_step", "parallelize"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Placed:
-    """A strategy ready to run: its per-device programs and its simulated iteration time (measured op costs)."""
-
-    strategy: Strategy
-    lowered: Lowered
-    programs: Programs
-    simulated_s: float
-
-
-def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts) -> Placed:
-    """Lower and compile `strategy`; a strategy that does not fit in device memory is refused."""
-    tl = simulate(graph, strategy, cl, costs)
-    if not tl.fits:
-        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    low = lower(graph, strategy)
-    return Placed(strategy, low, compile_programs(low), tl.iteration_s)
 
 
 class ParallelStep:

@@ -24,9 +24,14 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
+from ..api import simulate
+from ..cluster import Cluster
+from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..lower import JOIN, PART, RUN, Lowered, Task
+from ..graph import OpGraph
+from ..lower import JOIN, PART, RUN, Lowered, Task, lower
 from ..split import join, rule, run_part
+from ..strategy import Strategy
 
 
 class StepError(RuntimeError):
@@ -77,16 +82,14 @@ class Programs:
 def compile_programs(low: Lowered) -> Programs:
     """Each device's program as segments (see the module docstring)."""
     device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
+    # What each task waits for from elsewhere: ops of other devices and allreduces.
+    foreign = {t.op: tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
+               for d, program in enumerate(low.programs) for t in program}
 
-    def foreign(t: Task, d: int) -> tuple[int, ...]:
-        return tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
+    def gated(t: Task) -> bool:  # waits for an allreduce, and for nothing else on another device
+        return bool(foreign[t.op]) and all(j in low.allreduces for j in foreign[t.op])
 
-    def gated(t: Task, d: int) -> bool:  # waits for an allreduce, and for nothing else on another device
-        f = foreign(t, d)
-        return bool(f) and all(j in low.allreduces for j in f)
-
-    handoffs = {j for d, program in enumerate(low.programs) for t in program for j in foreign(t, d)
-                if j not in low.allreduces}
+    handoffs = {j for waits in foreign.values() for j in waits if j not in low.allreduces}
     nodes = {n.name: n for n in low.step.gm.graph.nodes}
     programs = []
     for d, program in enumerate(low.programs):
@@ -95,14 +98,14 @@ def compile_programs(low: Lowered) -> Programs:
             prev = runs[-1][-1] if runs else None
             # Gradients are not cut out of a segment for the allreduce: its readers, the updates, come at the
             # end of the backward. A run of updates waits for all its allreduces up front.
-            joins = prev is not None and (not foreign(t, d) or gated(t, d) and gated(prev, d))
+            joins = prev is not None and (not foreign[t.op] or gated(t) and gated(prev))
             if (not joins or t.kind != RUN or prev.kind != RUN or prev.op in handoffs
                     or prev.replica != t.replica):
                 runs.append([])
             runs[-1].append(t)
         segments = []
         for tasks in runs:
-            waits = list(dict.fromkeys(j for t in tasks for j in foreign(t, d)))
+            waits = list(dict.fromkeys(j for t in tasks for j in foreign[t.op]))
             # Devices take a run's allreduces from different starting points, so they compute them side by side.
             k = len(waits) * d // len(low.programs)
             waits = tuple(waits[k:] + waits[:k])
@@ -113,6 +116,25 @@ def compile_programs(low: Lowered) -> Programs:
     placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
     outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
     return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A strategy ready to run: its per-device programs and its simulated iteration time (measured op costs)."""
+
+    strategy: Strategy
+    lowered: Lowered
+    programs: Programs
+    simulated_s: float
+
+
+def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts) -> Placed:
+    """Lower and compile `strategy`; a strategy that does not fit in device memory is refused."""
+    tl = simulate(graph, strategy, cl, costs)
+    if not tl.fits:
+        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
+    low = lower(graph, strategy)
+    return Placed(strategy, low, compile_programs(low), tl.iteration_s)
 
 
 class _Run:

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 from ..api import plan, simulate
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
+from .local import Placed, place
 
 if TYPE_CHECKING:
-    from . import ParallelStep, Placed
+    from . import ParallelStep
 
 
 def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluster) -> MeasuredCosts:
@@ -102,8 +103,6 @@ class Tuner:
             self._record(placed, measured, True, "running")
         if len(self.rounds) >= 2 * self.max_rounds or (len(self.rounds) > 1 and moved < self.tolerance):
             return self._stop(step, f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up")
-        from . import place  # the runtime package imports this module
-
         candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs)
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")
