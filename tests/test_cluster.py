@@ -10,7 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastt.cluster import Cluster, Device, GiB, Link, cluster, cpu_threads, from_dict, preset_for, with_links
+from fastt.cluster import (
+    Cluster,
+    Device,
+    GiB,
+    Link,
+    cluster,
+    cpu_threads,
+    from_dict,
+    preset_for,
+    torch_device,
+    with_links,
+)
 from fastt.errors import FasttError
 
 
@@ -149,12 +160,21 @@ def test_cuda_with_faked_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "pcie-up:0" in {lk.name for lk in c.links}
     with pytest.raises(FasttError, match="bad CUDA device ids"):
         cluster("cuda:5")
+    # A GPU named twice: two devices (streams) sharing its memory, hand-offs within it, copies to the others.
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    c = cluster("cuda:0,0,1")
+    assert [d.name for d in c.devices] == ["cuda:0", "cuda:0/1", "cuda:1"] and all_pairs_routed(c)
+    assert c.devices[0].memory_bytes == c.devices[1].memory_bytes == 34_089_730_048 // 2
+    assert [torch_device(d) for d in c.devices] == ["cuda:0", "cuda:0", "cuda:1"]
+    assert c.links[c.route(0, 1)[0]].name == "stream:0->1" and c.route(1, 2) == c.route(0, 2)
+    assert c.transfer_time(0, 1, 450e6) == pytest.approx(5e-6 + 1e-3)  # half of 900 GB/s
 
 
 def test_preset_matching() -> None:
     assert preset_for("NVIDIA A100-SXM4-80GB", 85_100_000_000).name == "A100-80GB"  # type: ignore[union-attr]
     assert preset_for("NVIDIA A100-SXM4-40GB", 42_300_000_000).name == "A100"  # type: ignore[union-attr]
     assert preset_for("NVIDIA H100 80GB HBM3", 85_000_000_000).name == "H100"  # type: ignore[union-attr]
+    assert preset_for("NVIDIA H200", 150_000_000_000).name == "H200"  # type: ignore[union-attr]
     assert preset_for("Tesla V100-SXM2-16GB", 16_900_000_000).name == "V100"  # type: ignore[union-attr]
     assert preset_for("NVIDIA GeForce RTX 4090", 24 * GiB) is None
 

@@ -24,7 +24,7 @@ from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
-from fastt.runtime.reference import eager_dp_step
+from fastt.runtime.reference import eager_dp_step, eager_reference_step
 from fastt.split import split
 from fastt.strategy import Split
 
@@ -94,10 +94,7 @@ def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> Non
         if step.strategy.splits:
             same_state(ref, ours)
         with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
-            if step.strategy.replicas > 1:
-                eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
-            else:
-                eager_step(ref, batch)
+            eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
         step(*batch)
         if step.strategy.splits:
             assert_same(ref, ours, scaled=True)
@@ -183,7 +180,12 @@ def test_an_op_that_raises_stops_every_device_with_its_name() -> None:
 
 def test_a_failing_allreduce_stops_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
     _, ours = pair("mlp")
-    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", "dp")
+    failing_allreduce_stops_every_device(ours, "cpu:2", monkeypatch)
+
+
+def failing_allreduce_stops_every_device(ours: zoo.Workload, devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data-parallel step whose allreduce raises ends with a StepError within seconds on every device."""
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, devices, "dp")
 
     def broken(*args, **kwargs):
         raise RuntimeError("reduce failed")
@@ -212,20 +214,20 @@ def test_any_valid_plan_finishes_and_trains_as_eager(seed: int, replicas: int) -
     """Random placements and random topological orders (of the data-parallel graph too): every device waits only
     for what it reads, so no plan deadlocks, and every plan trains as eager does."""
     ref, ours = pair("mlp")
-    g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
-    dg = data_parallel_graph(g, replicas)
-    rng = random.Random(seed)
-    rank = random_topological_rank(dg, rng)
-    s = strategy_from(dg, "random", 2, [rng.randrange(2) for _ in dg.ops], start=rank, replicas=replicas)
+    s = random_plan(ours, replicas, random.Random(seed))
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)
     for i in range(2):
         batch = fresh_batch(ref, i)
-        if replicas > 1:
-            eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, replicas)
-        else:
-            eager_step(ref, batch)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, replicas)
         step(*batch)
     assert_same(ref, ours)
+
+
+def random_plan(w: zoo.Workload, replicas: int, rng: random.Random) -> fastt.Strategy:
+    """A random valid plan on 2 devices: random placement, random topological order, `replicas` replicas."""
+    g = data_parallel_graph(fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs), replicas)
+    rank = random_topological_rank(g, rng)
+    return strategy_from(g, "random", 2, [rng.randrange(2) for _ in g.ops], start=rank, replicas=replicas)
 
 
 def random_topological_rank(g, rng: random.Random) -> list[int]:

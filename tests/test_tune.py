@@ -12,7 +12,7 @@ import fastt
 from fastt.cost import op_times
 from fastt.plan.common import strategy_from
 from fastt.runtime import Tuner, parallelize
-from fastt.runtime.reference import batch_like, eager_dp_step, eager_step
+from fastt.runtime.reference import batch_like, eager_reference_step
 from fastt.runtime.tune import change, refit
 
 
@@ -68,11 +68,7 @@ def test_tuning_while_training_keeps_training_exact() -> None:
     rng = random.Random(0)
     for i in range(12):
         batch = batch_like(ref.example_inputs, rng.randrange(1000))
-        r = step.strategy.replicas
-        if r > 1:
-            eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, r)
-        else:
-            eager_step(ref.model, ref.loss_fn, ref.optimizer, batch)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
         step(*batch)
     assert_same(ref, ours)
     assert not tuner.active and tuner.rounds and lines[-1].startswith("tune: done")

@@ -45,7 +45,8 @@ def capture(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Op
 def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             example_inputs: Sequence[torch.Tensor], threads: int = 1, runs: int = 5,
             progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
-    """Measured op times of `graph` (captured from this model) on this CPU with `threads` threads.
+    """Measured op times of `graph` (captured from this model) on this CPU with `threads` threads, or on the
+    GPU the model is on.
 
     The step runs on copies of the real parameters, buffers and optimizer state: the model is not changed.
     Data parallelism places the step at batch/N: measure `rebatch(graph, b)` with the inputs sliced to b.
@@ -54,7 +55,8 @@ def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optim
     step = graph.fx
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=False)
     inputs = tuple(x[:graph.batch] for x in example_inputs)
-    return _measure(graph, [params, buffers, states, *inputs], kind="cpu", threads=threads, runs=runs,
+    kind = "cuda" if params and params[0].is_cuda else "cpu"
+    return _measure(graph, [params, buffers, states, *inputs], kind=kind, threads=threads, runs=runs,
                     progress=progress, concurrent=concurrent)
 
 

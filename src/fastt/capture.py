@@ -191,12 +191,14 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups):
 
 @contextlib.contextmanager
 def _portable_kernels():
-    """Trace composite ops (nn.LSTM) into their native aten decomposition, not oneDNN's fused CPU-only kernel
-    (`mkldnn_rnn_layer`): the graph must run on any device, and its per-timestep ops are what a planner places.
-    Eager CPU training picks the oneDNN kernel, which rounds differently; with it off they match bit for bit."""
+    """Trace composite ops (nn.LSTM, batch norm) into their native aten decomposition, not oneDNN's or cuDNN's
+    fused kernels (`mkldnn_rnn_layer`, `_cudnn_rnn`, whose weights cannot be traced with fake tensors): the graph
+    must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks the
+    oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one aten op
+    either way and still run on cuDNN.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the flag's TF32 note about Intel GPUs
-        with torch.backends.mkldnn.flags(enabled=False):
+        with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
             yield
 
 

@@ -238,8 +238,8 @@ def cmd_run(a: argparse.Namespace) -> None:
         torch.manual_seed(0)
         return load_workload(a.model, a.size, a.batch, a.optimizer)
 
-    # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN off).
-    with torch.backends.mkldnn.flags(enabled=not rnn):
+    # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN, cuDNN off).
+    with torch.backends.mkldnn.flags(enabled=not rnn), torch.backends.cudnn.flags(enabled=not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune)
     print(json.dumps(out) if a.json else format_run(out))
 
@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("run", help="train for real on local devices: measured vs simulated time per planner")
     p.add_argument("--model", required=True, help="zoo model name or path/to/file.py:function")
-    p.add_argument("--devices", default="cpu:2", help="cpu:N (the CUDA runtime is not built yet)")
+    p.add_argument("--devices", default="cpu:2", help="cpu:N, or local GPUs: cuda, cuda:0,1 (cuda:0,0: two streams of one GPU)")
     p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--check", action="store_true", help="also train in eager mode and compare the parameters")

@@ -107,7 +107,7 @@ def with_links(cluster: Cluster, links: Sequence[Link]) -> Cluster:
 # ---------------------------------------------------------------------------------------------------------------
 # Spec parsing
 
-SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100), "
+SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100, H200), "
               "MxNxGPU[-link], or a JSON file path")
 
 
@@ -214,12 +214,16 @@ _A100 = GpuPreset("A100", 19.5e12, 1555e9, 40 * GiB, 300e9, True, 24e9, 25e9)
 # NVIDIA H100 Tensor Core GPU data sheet (2023), SXM: 67 TFLOP/s FP32, 80GB HBM3 3.35 TB/s, NVLink4 900 GB/s
 # (450 per direction) via NVSwitch, PCIe Gen5 x16 63 GB/s raw (~50 usable). NIC: 400 Gb/s NDR InfiniBand (DGX H100).
 _H100 = GpuPreset("H100", 67e12, 3.35e12, 80 * GiB, 450e9, True, 50e9, 50e9)
+# NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: the H100's compute (67 TFLOP/s FP32) with 141 GB HBM3e at
+# 4.8 TB/s; NVLink4 900 GB/s via NVSwitch, PCIe Gen5, 400 Gb/s NDR InfiniBand as the H100.
+_H200 = GpuPreset("H200", 67e12, 4.8e12, 141 * 10**9, 450e9, True, 50e9, 50e9)
 GPU_PRESETS: dict[str, GpuPreset] = {
     "v100": _V100, "v100-16gb": _V100,
     "v100-32gb": replace(_V100, name="V100-32GB", memory_bytes=32 * GiB),
     "a100": _A100, "a100-40gb": _A100,
     "a100-80gb": replace(_A100, name="A100-80GB", mem_bandwidth=2039e9, memory_bytes=80 * GiB),
     "h100": _H100, "h100-80gb": _H100,
+    "h200": _H200,
 }
 # Unknown GPUs (cuda specs only): a conservative guess, below every preset; fastt.cost measures real ops anyway.
 _UNKNOWN_GPU = GpuPreset("GPU", 10e12, 500e9, 8 * GiB, 25e9, False, 12e9, 12.5e9)
@@ -227,6 +231,7 @@ NVLINK_LATENCY = 5e-6  # per route; split over the two hops of an NVSwitch route
 PCIE_LATENCY = 1e-5  # per route; split over the up- and down-link
 NIC_LATENCY = 3e-6  # per inter-node route; split over the sending and receiving NIC
 GPU_OP_OVERHEAD = 5e-6  # kernel launch
+STREAM_LATENCY = 5e-6  # one CUDA stream waiting for another's event
 
 
 def _node_links(p: GpuPreset, gpus: Sequence[int], link: str, tag: str, links: list[Link],
@@ -287,6 +292,8 @@ def preset_for(name: str, total_memory: int) -> GpuPreset | None:
     PCIe cards of the same chip (e.g. "V100-PCIE") are matched to the SXM preset; fastt.cost measures them.
     """
     up = name.upper()
+    if "H200" in up:
+        return GPU_PRESETS["h200"]
     if "H100" in up:
         return GPU_PRESETS["h100"]
     if "A100" in up:
@@ -297,25 +304,48 @@ def preset_for(name: str, total_memory: int) -> GpuPreset | None:
 
 
 def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
-    """The local CUDA GPUs (all, or those in ids) as a Cluster of kind "cuda" devices."""
+    """The local CUDA GPUs (all, or those in ids) as a Cluster of kind "cuda" devices.
+
+    A GPU named more than once (`cuda:0,0`) becomes that many devices on one GPU, each its own CUDA stream
+    (named `cuda:0`, `cuda:0/1`, ...), sharing its memory equally; a hand-off between them moves no data (a stream
+    waits for an event), costed as a copy within the GPU's memory. It runs the multi-device runtime on one GPU.
+    """
     import torch  # local: importing fastt.cluster stays cheap
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise FasttError("no CUDA device visible; use cpu:N or a simulated cluster such as 4xV100")
     count = torch.cuda.device_count()
     ids = list(range(count)) if ids is None else list(ids)
-    if any(not 0 <= i < count for i in ids) or len(set(ids)) != len(ids):
-        raise FasttError(f"bad CUDA device ids {ids}: {count} visible (0..{count - 1}), each at most once")
-    props = [torch.cuda.get_device_properties(i) for i in ids]
-    presets = [preset_for(pr.name, pr.total_memory) or _UNKNOWN_GPU for pr in props]
-    devices = tuple(Device(f"cuda:{i}", "cuda", int(pr.total_memory), p.flops, p.mem_bandwidth, 0, GPU_OP_OVERHEAD)
-                    for i, pr, p in zip(ids, props, presets))
-    peer = all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(ids, 2))
-    slowest = min(presets, key=lambda p: (p.nvlink, p.pcie))
+    if any(not 0 <= i < count for i in ids):
+        raise FasttError(f"bad CUDA device ids {ids}: {count} visible (0..{count - 1})")
+    gpus = list(dict.fromkeys(ids))
+    props = {i: torch.cuda.get_device_properties(i) for i in gpus}
+    presets = {i: preset_for(props[i].name, props[i].total_memory) or _UNKNOWN_GPU for i in gpus}
+    names = [f"cuda:{i}" + (f"/{ids[:k].count(i)}" if ids[:k].count(i) else "") for k, i in enumerate(ids)]
+    devices = tuple(Device(name, "cuda", int(props[i].total_memory) // ids.count(i), presets[i].flops,
+                           presets[i].mem_bandwidth, 0, GPU_OP_OVERHEAD) for name, i in zip(names, ids))
+    peer = all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(gpus, 2))
+    slowest = min(presets.values(), key=lambda p: (p.nvlink, p.pcie))
     links: list[Link] = []
+    between: dict[tuple[int, int], tuple[int, ...]] = {}
+    _node_links(slowest, range(len(gpus)), "nvlink" if peer else "pcie", "", links, between)
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
-    _node_links(slowest, range(len(ids)), "nvlink" if peer else "pcie", "", links, routes)
+    for a, b in itertools.permutations(range(len(ids)), 2):
+        ga, gb = gpus.index(ids[a]), gpus.index(ids[b])
+        if ga != gb:
+            routes[a, b] = between[ga, gb]
+        else:  # a stream hand-off; a copy within the GPU reads and writes, so half its memory bandwidth
+            routes[a, b] = (len(links),)
+            links.append(Link(f"stream:{a}->{b}", presets[ids[a]].mem_bandwidth / 2, STREAM_LATENCY))
     return Cluster("cuda:" + ",".join(map(str, ids)), devices, tuple(links), routes)
+
+
+def torch_device(dev: Device) -> str:
+    """The torch device a device of a local cluster runs on ("cpu", "cuda:0"); streams of one GPU share it."""
+    if dev.kind not in ("cpu", "cuda"):
+        raise FasttError(f"device {dev.name} is simulated: the local runtime runs cpu:N or local cuda devices "
+                         "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
+    return "cpu" if dev.kind == "cpu" else dev.name.split("/")[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

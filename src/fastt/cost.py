@@ -9,6 +9,7 @@ fitted by least squares on measured copies.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import threading
@@ -77,10 +78,25 @@ def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
     return t
 
 
-def _timed_code(gm: torch.fx.GraphModule) -> tuple[Callable, list[str]]:
+def _cuda_tick() -> torch.cuda.Event:
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _elapsed(ticks: Sequence) -> list[float]:
+    """Seconds between consecutive clock readings: perf_counter floats or recorded CUDA events."""
+    if ticks and isinstance(ticks[0], torch.cuda.Event):
+        ticks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(ticks)]
+    return list(np.diff(ticks))
+
+
+def _timed_code(gm: torch.fx.GraphModule, clock: Callable = time.perf_counter) -> tuple[Callable, list[str]]:
     """The step's generated code with a clock read after every aten call: fn(*flat inputs) -> clock readings
     (one before the first call, then one per name in the returned list). It runs the same code as the runtime, so
-    the per-call Python overhead is what the runtime pays."""
+    the per-call Python overhead is what the runtime pays. On a GPU the clock records a CUDA event on the current
+    stream: an op's time is then its kernels' time, or the launch gap when the GPU waits for Python."""
     g = torch.fx.Graph()
     values: dict[str, torch.fx.Node] = {}
     ticks, names = [], []
@@ -90,9 +106,9 @@ def _timed_code(gm: torch.fx.GraphModule) -> tuple[Callable, list[str]]:
         values[n.name] = g.node_copy(n, lambda a: values[a.name])
         if n.op == "call_function":
             if not ticks:
-                ticks.append(g.call_function(time.perf_counter))
+                ticks.append(g.call_function(clock))
                 values[n.name].prepend(ticks[0])
-            ticks.append(g.call_function(time.perf_counter))
+            ticks.append(g.call_function(clock))
             names.append(n.name)
     g.output(tuple(ticks))
     return torch.fx.GraphModule(gm, g).forward, names
@@ -100,8 +116,9 @@ def _timed_code(gm: torch.fx.GraphModule) -> tuple[Callable, list[str]]:
 
 def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads: int = 1, runs: int = 5,
             progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
-    """Time every op of `graph` on this CPU with `threads` threads: the mean over `runs` whole-step runs
-    (a sum of per-op medians misses the occasional slow call that every real run pays).
+    """Time every op of `graph` on this CPU with `threads` threads, or on the GPU its inputs are on (kind
+    "cuda"): the mean over `runs` whole-step runs (a sum of per-op medians misses the occasional slow call that
+    every real run pays).
 
     `real_inputs` are the step's graph inputs with real tensors (params, buffers, states, *batch); they are
     cloned, so the caller's model and optimizer are not changed. `concurrent` copies of the step run at once in
@@ -111,7 +128,7 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     step = graph.fx
     if step is None:
         raise FasttError("this graph was not captured from a model: nothing to measure")
-    fn, names = _timed_code(step.gm)
+    fn, names = _timed_code(step.gm, _cuda_tick if kind == "cuda" else time.perf_counter)
     flat = torch.utils._pytree.tree_leaves(list(real_inputs))
     readings: list[list[float]] = []
 
@@ -121,7 +138,7 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
             for r in range(runs + 1):
                 ticks = fn(*[x.clone() if isinstance(x, torch.Tensor) else x for x in flat])
                 if r:  # the first run warms up the allocator and lazy init
-                    readings.append(ticks)
+                    readings.append(_elapsed(ticks))
 
     workers = [threading.Thread(target=worker) for _ in range(concurrent)]
     for w in tqdm(workers, desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
@@ -129,8 +146,8 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     for w in workers:
         w.join()
     samples: dict[str, list[float]] = {}
-    for ticks in readings:
-        elapsed = dict(zip(names, np.diff(ticks)))
+    for seconds in readings:
+        elapsed = dict(zip(names, seconds))
         for op in graph.ops:
             if op.signature:
                 samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))

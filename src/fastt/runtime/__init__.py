@@ -9,7 +9,7 @@ import torch
 
 from ..api import capture, measure, plan, simulate
 from ..capture import bind
-from ..cluster import Cluster, cluster
+from ..cluster import Cluster, cluster, torch_device
 from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
 from ..graph import OpGraph, rebatch
@@ -74,30 +74,31 @@ def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
                  example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
                  concurrent: int) -> MeasuredCosts:
     """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape),
-    with `concurrent` copies running at once."""
-    seconds: dict[str, float] = {}
-    for b in dict.fromkeys(batches):
-        seconds |= measure(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
-                           progress=False, concurrent=concurrent).seconds
-    return MeasuredCosts(kind="cpu", threads=threads, seconds=seconds)
+    with `concurrent` copies running at once, on the device the model is on."""
+    tables = [measure(rebatch(graph, b), model, optimizer, example_inputs, threads=threads, progress=False,
+                      concurrent=concurrent) for b in dict.fromkeys(batches)]
+    seconds = {k: v for t in tables for k, v in t.seconds.items()}
+    return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
 
 
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
-    the step callable. CPU worker devices (`cpu:N`) run here; the CUDA runtime is not built yet.
+    the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
+    runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
+    the optimizer's state stay there, the truth).
 
-    Op times are measured on a worker device (its share of the cores) before planning; the `fastt` planner plans
-    with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and runs FastT's
-    tuning loop during the first steps.
+    Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
+    planner plans with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and
+    runs FastT's tuning loop during the first steps.
     """
     cl = cluster(devices)
-    if any(d.kind != "cpu" for d in cl.devices):
-        raise FasttError(f"running on {devices} is not supported yet: the local runtime runs cpu:N devices")
+    _check_home(model, example_inputs, cl)
     cl = calibrate_cpu(cl)
     n = len(cl.devices)
-    threads = max(1, torch.get_num_threads() // n)
+    cuda = cl.devices[0].kind == "cuda"
+    threads = torch.get_num_threads() if cuda else max(1, torch.get_num_threads() // n)
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
     tuner = Tuner() if tune is True else tune or None
     if strategy is None and tuner is not None and graph.batch % n == 0:
@@ -110,7 +111,22 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         batches = [graph.batch // strategy.replicas]
     else:  # what the fastt planner compares: the whole step and the data-parallel replicas' step
         batches = [graph.batch] + ([graph.batch // n] if graph.batch % n == 0 else [])
-    busy = busy_devices(strategy) if strategy is not None else n
+    # Worker devices share the cores' caches and memory bandwidth: measure with as many busy. GPUs share nothing.
+    busy = 1 if cuda else busy_devices(strategy) if strategy is not None else n
     costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, busy)
     strategy = strategy or plan(graph, cl, "fastt", measured=costs)
     return ParallelStep(model, optimizer, graph, cl, costs, place(graph, strategy, cl, costs), threads, tuner)
+
+
+def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:
+    """Refuse devices the runtime cannot run, and a model or batch not on a device of the cluster."""
+    kinds = {d.kind for d in cl.devices}
+    if not kinds <= {"cpu"} and kinds != {"cuda"}:
+        raise FasttError(f"cannot run on {cl.name}: the local runtime runs cpu:N or local cuda devices "
+                         "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
+    targets = {torch.device(torch_device(d)) for d in cl.devices}
+    home = {t.device for t in [*model.parameters(), *example_inputs]}
+    if len(home) != 1 or not home <= targets:
+        where = ", ".join(sorted(map(str, home)))
+        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move them "
+                         f"there first (e.g. model.to('{min(map(str, targets))}'))")

@@ -9,17 +9,30 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..cluster import cluster, torch_device
 from . import parallelize
-from .reference import batch_like, eager_dp_step, eager_step, max_param_rel_diff
+from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff
 from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
 
 
 def _timed(fn: Callable, *args: object) -> float:
+    """Wall seconds of fn(*args), with the GPU's queued work included when it runs on one."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def _placed(make: Callable[[], Workload], home: str) -> Workload:
+    """A fresh workload with its model and example inputs on `home` (the optimizer holds the same Parameters)."""
+    name, model, loss_fn, opt, inputs = make()
+    return name, model.to(home), loss_fn, opt, tuple(x.to(home) for x in inputs)
 
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
@@ -29,12 +42,14 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
     its plan in the first steps: the median over the steps after tuning). With `check`, the same steps are also
     trained in eager mode (steps of data-parallel plans against eager data parallelism, DDP semantics) with the
-    worker devices' thread count, and the largest relative difference of any parameter is reported.
+    worker devices' thread count, and the largest relative difference of any parameter is reported. On GPUs
+    the model lives on the first device, and `eager` is plain PyTorch there.
     """
+    home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
     for planner in planners:
-        name, model, loss_fn, opt, inputs = make()
-        batches = [batch_like(inputs, i) for i in range(steps)]
+        name, model, loss_fn, opt, inputs = _placed(make, home)
+        batches = [tuple(x.to(home) for x in batch_like(inputs, i)) for i in range(steps)]
         initial = copy.deepcopy(model.state_dict())
         if planner == "eager":
             times = [_timed(eager_step, model, loss_fn, opt, b) for b in batches]
@@ -56,23 +71,20 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                         "splits": len(step.strategy.splits),
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
         if check:
-            worst = max(worst, _check(make, initial, batches, replicas, step.threads_per_device, model))
+            worst = max(worst, _check(make, home, initial, batches, replicas, step.threads_per_device, model))
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None}
 
 
-def _check(make: Callable[[], Workload], initial: dict, batches: list, replicas: list[int], threads: int,
-           trained: torch.nn.Module) -> float:
-    _, model, loss_fn, opt, _ = make()
+def _check(make: Callable[[], Workload], home: str, initial: dict, batches: list, replicas: list[int],
+           threads: int, trained: torch.nn.Module) -> float:
+    _, model, loss_fn, opt, _ = _placed(make, home)
     model.load_state_dict(initial)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for b, r in zip(batches, replicas):
-            if r > 1:
-                eager_dp_step(model, loss_fn, opt, b, r)
-            else:
-                eager_step(model, loss_fn, opt, b)
+            eager_reference_step(model, loss_fn, opt, b, r)
     finally:
         torch.set_num_threads(old)
     return max_param_rel_diff(model, trained)

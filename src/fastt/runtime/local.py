@@ -1,4 +1,5 @@
-"""The local runtime: one thread per CPU worker device, each running its program strictly in order.
+"""The local runtime: one thread per device (a CPU worker device or a CUDA stream), each running its program
+strictly in order.
 
 `compile_programs` cuts each device's program into segments: runs of consecutive tasks that need nothing from
 another device once started (a segment ends where another device waits for its last op, and starts where it
@@ -11,6 +12,12 @@ the same tensor — so every replica reads the parameters as they were before th
 written back once the step has finished. Data parallelism keeps per-replica batch-norm buffers (per-device
 statistics, as DDP); replica 0's are kept. An exception in any task stops every device and is raised with the op's
 name.
+
+On CUDA devices a thread launches its device's kernels on its own stream (a GPU's default stream, or a stream of
+its own for a second device on the same GPU). A finished segment records a CUDA event, and a device that reads its
+results makes its stream wait for that event, so the GPUs wait on each other only where the data flows. A value on
+another GPU is copied once per step and device; parameters and the optimizer state live on the model's GPU (the
+truth) and are copied to the other devices that read them. The step ends by synchronizing every GPU.
 """
 
 from __future__ import annotations
@@ -18,14 +25,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 from torch.fx.node import map_arg
 
 from ..api import simulate
-from ..cluster import Cluster
+from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
@@ -51,9 +58,15 @@ class Segment:
     fn: Callable | None = None
 
 
-def _generate(low: Lowered, nodes: dict[str, fx.Node],
-              tasks: Sequence[Task]) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
-    """The code of a run of plain tasks: (names it reads, names read after it, function)."""
+def _on(kwargs: dict, device: torch.device) -> dict:
+    """An op's kwargs with a factory op's `device` (the device the step was captured on) set to `device`."""
+    dev = kwargs.get("device")
+    return {**kwargs, "device": device} if isinstance(dev, torch.device) and dev != device else kwargs
+
+
+def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task],
+              device: torch.device) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
+    """The code of a run of plain tasks on `device`: (names it reads, names read after it, function)."""
     names = [name for t in tasks for name in t.nodes]
     inside = set(names)
     inputs = tuple(dict.fromkeys(x.name for name in names for x in nodes[name].all_input_nodes
@@ -63,6 +76,7 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node],
     values = {name: g.placeholder(name) for name in inputs}
     for name in names:
         values[name] = g.node_copy(nodes[name], lambda a: values[a.name])
+        values[name].kwargs = _on(values[name].kwargs, device)
     g.output(tuple(values[name] for name in outputs))
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
 
@@ -70,17 +84,42 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node],
 @dataclass(frozen=True)
 class Programs:
     """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for;
-    the step's nodes by name, its placeholders and its outputs (names), looked up once."""
+    the step's nodes by name, its placeholders and its outputs (names), looked up once. `targets[d]` is the torch
+    device device d runs on, `streams[d]` its CUDA stream (CUDA only); `writeback` the placeholders (batch-norm
+    buffers) that replica 0 updates in place, with the device that does it."""
 
     devices: tuple[tuple[Segment, ...], ...]
     signals: frozenset[int]
     nodes: dict[str, fx.Node]
     placeholders: tuple[str, ...]
     outputs: tuple[str, ...]
+    targets: tuple[torch.device, ...]
+    streams: tuple = ()
+    writeback: tuple[tuple[str, int], ...] = ()
+    copy_streams: dict = field(default_factory=dict)  # (device, source GPU) -> stream copying to the device
+
+    @property
+    def cuda(self) -> bool:
+        return self.targets[0].type == "cuda"
 
 
-def compile_programs(low: Lowered) -> Programs:
-    """Each device's program as segments (see the module docstring)."""
+def _streams(targets: Sequence[torch.device]) -> tuple:
+    """A CUDA stream per device: its GPU's default stream for the first device on a GPU, a new one after."""
+    seen: set[torch.device] = set()
+    out = []
+    for dev in targets:
+        out.append(torch.cuda.Stream(dev) if dev in seen else torch.cuda.default_stream(dev))
+        seen.add(dev)
+    return tuple(out)
+
+
+def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None = None) -> Programs:
+    """Each device's program as segments (see the module docstring); `targets[d]` is the torch device device d
+    runs on (default: all on the CPU)."""
+    targets = tuple(torch.device(t) for t in (targets or ["cpu"] * len(low.programs)))
+    if len({t.type for t in targets}) > 1 or len(targets) != len(low.programs):
+        raise FasttError(f"devices {[str(t) for t in targets]}: the runtime needs one kind of device per plan "
+                         f"device ({len(low.programs)})")
     device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
     # What each task waits for from elsewhere: ops of other devices and allreduces.
     foreign = {t.op: tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
@@ -109,13 +148,18 @@ def compile_programs(low: Lowered) -> Programs:
             # Devices take a run's allreduces from different starting points, so they compute them side by side.
             k = len(waits) * d // len(low.programs)
             waits = tuple(waits[k:] + waits[:k])
-            code = _generate(low, nodes, tasks) if tasks[0].kind == RUN else ((), (), None)
+            code = _generate(low, nodes, tasks, targets[d]) if tasks[0].kind == RUN else ((), (), None)
             segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
         programs.append(tuple(segments))
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
     placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
     outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
-    return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs)
+    # Buffers are updated by `copy_` into their placeholder: on another GPU that updates the device's copy.
+    writeback = tuple((nodes[name].args[0].name, d) for d, program in enumerate(low.programs) for t in program
+                      if t.replica == 0 for name in t.nodes if nodes[name].target is torch.ops.aten.copy_.default
+                      and nodes[name].args[0].op == "placeholder")
+    return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
+                    _streams(targets) if targets[0].type == "cuda" else (), writeback)
 
 
 @dataclass(frozen=True)
@@ -134,28 +178,39 @@ def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts)
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
     low = lower(graph, strategy)
-    return Placed(strategy, low, compile_programs(low), tl.iteration_s)
+    return Placed(strategy, low, compile_programs(low, [torch_device(dev) for dev in cl.devices]), tl.iteration_s)
 
 
 class _Run:
-    """The state of one step: values per replica, an event per op some device waits for, the first error."""
+    """The state of one step: values per replica, an event per op some device waits for, the first error.
+    On CUDA also: the CUDA event each waited-for op was recorded with, values copied to other GPUs, and tensors
+    other streams read, kept alive until the step has synchronized."""
 
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
                  timings: list | None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
-        self.nodes = programs.nodes
+        self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
         self.events = {op: threading.Event() for op in programs.signals}
         self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
         self.error: tuple[str, int, BaseException] | None = None
+        self.recorded: dict[int, tuple[torch.cuda.Event, int]] = {}  # op -> (CUDA event, device that recorded it)
+        self.moved: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (source, copy)
+        self.held: list = []
 
-    def wait(self, op: int) -> bool:
-        """Wait for op's results; False when another device failed (stop)."""
+    def wait(self, op: int, d: int) -> bool:
+        """Wait for op's results on device d; False when another device failed (stop)."""
         self.events[op].wait()
-        return self.error is None
+        if self.error is not None:
+            return False
+        if self.cuda:
+            event, src = self.recorded[op]
+            if src != d:
+                self.streams[d].wait_event(event)
+        return True
 
-    def wait_all(self, ops: Sequence[int], chunk: int = 16) -> bool:
+    def wait_all(self, ops: Sequence[int], d: int, chunk: int = 16) -> bool:
         """Wait for every op of `ops`. Allreduces no device has started are claimed and computed here: the next
         one, with those of the following `chunk` whose gradients are all there already (one batch). A device
         never holds a claim on an allreduce while it waits for another one's gradients: no deadlock."""
@@ -169,14 +224,18 @@ class _Run:
                          and all(self.events[j].is_set() for j in self.low.graph.ops[b].inputs)]
                 batch = ready if a in ready else [a]
                 self.claimed.update(batch)
-            if not self.allreduce(batch):
+            if not self.allreduce(batch, d):
                 return False
-        return all(self.wait(j) for j in ops)
+        return all(self.wait(j, d) for j in ops)
 
-    def finished(self, ops: Sequence[int]) -> None:
-        for op in ops:
-            if op in self.events:
-                self.events[op].set()
+    def finished(self, ops: Sequence[int], d: int) -> None:
+        signals = [op for op in ops if op in self.events]
+        if self.cuda and signals:
+            event = torch.cuda.Event()
+            event.record(self.streams[d])
+            self.recorded.update(dict.fromkeys(signals, (event, d)))
+        for op in signals:
+            self.events[op].set()
 
     def fail(self, name: str, d: int, e: BaseException) -> None:
         with self.lock:
@@ -185,18 +244,39 @@ class _Run:
         for ev in self.events.values():
             ev.set()
 
-    def allreduce(self, ops: Sequence[int]) -> bool:
-        """Average the gradients of allreduces `ops` across replicas, summed in replica order."""
-        if not all(self.wait(j) for a in ops for j in self.low.graph.ops[a].inputs):
+    def get(self, k: int, name: str, d: int):
+        """Replica k's value `name` on device d: on another GPU, copied once per step. The copy runs on a stream
+        of the source GPU that first waits for device d's stream, which has waited for the value's producer."""
+        x = self.envs[k][name]
+        if not self.cuda or not isinstance(x, torch.Tensor) or not x.is_cuda or x.device == self.programs.targets[d]:
+            return x  # CPU tensors in a GPU step (e.g. attention's random seed) stay where the kernel wants them
+        hit = self.moved.get((k, name, d))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        copier = self.programs.copy_streams.get((d, x.device))
+        if copier is None:
+            copier = self.programs.copy_streams[d, x.device] = torch.cuda.Stream(x.device)
+        copier.wait_stream(self.streams[d])
+        with torch.cuda.stream(copier):
+            y = x.to(self.programs.targets[d], non_blocking=True)
+        self.moved[k, name, d] = (x, y)
+        return y
+
+    def allreduce(self, ops: Sequence[int], d: int) -> bool:
+        """Average the gradients of allreduces `ops` across replicas on device d, summed in replica order."""
+        if not all(self.wait(j, d) for a in ops for j in self.low.graph.ops[a].inputs):
             return False
         names = [name for a in ops for name in self.low.allreduces[a]]
-        total = [self.envs[0][name] for name in names]
-        for env in self.envs[1:]:
-            total = torch._foreach_add(total, [env[name] for name in names])
+        grads = [[self.get(k, name, d) for name in names] for k in range(len(self.envs))]
+        total = grads[0]
+        for other in grads[1:]:
+            total = torch._foreach_add(total, other)
         torch._foreach_div_(total, float(len(self.envs)))
+        if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
+            self.held += grads
         for env in self.envs:
             env.update(zip(names, total))
-        self.finished(ops)
+        self.finished(ops, d)
         return True
 
     def call(self, name: str, env: dict) -> None:
@@ -204,53 +284,73 @@ class _Run:
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a.name])
         env[name] = n.target(*args, **kwargs)
 
-    def interpret(self, t: Task, env: dict) -> None:
-        """Run task `t` node by node."""
+    def interpret(self, t: Task, d: int) -> None:
+        """Run task `t` on device d node by node."""
+        env, device = self.envs[t.replica], self.programs.targets[d]
+
+        def args_of(n: fx.Node) -> tuple:
+            args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.get(t.replica, a.name, d))
+            return args, _on(kwargs, device)
+
         if t.kind == PART:
             n = self.nodes[t.head]
-            args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a.name])
             dim, k, parts = t.part
-            env[f"{t.head}#{k}"] = run_part(n.target, args, kwargs, dim, k, parts)
+            env[f"{t.head}#{k}"] = run_part(n.target, *args_of(n), dim, k, parts)
             return
         if t.kind == JOIN:
             dim, _, parts = self.low.graph.ops[t.waits[0]].split
-            env[t.head] = join(rule(self.nodes[t.head].target, dim), [env[f"{t.head}#{k}"] for k in range(parts)])
+            env[t.head] = join(rule(self.nodes[t.head].target, dim),
+                               [self.get(t.replica, f"{t.head}#{k}", d) for k in range(parts)])
         for name in t.nodes:
-            self.call(name, env)
+            n = self.nodes[name]
+            args, kwargs = args_of(n)
+            env[name] = n.target(*args, **kwargs)
 
-    def culprit(self, seg: Segment, env: dict) -> Task:
+    def culprit(self, seg: Segment, d: int) -> Task:
         """The task of a failed generated segment that raises when its nodes run one by one."""
         for t in seg.tasks:
             try:
-                self.interpret(t, env)
+                self.interpret(t, d)
             except BaseException:  # noqa: BLE001 - the first task that raises is the one to name
                 return t
         return seg.tasks[-1]
 
     def run_segment(self, seg: Segment, d: int) -> bool:
         env = self.envs[seg.replica]
+        start = torch.cuda.Event(enable_timing=True) if self.timings is not None and self.cuda else None
+        if start is not None:
+            start.record(self.streams[d])
         t0 = time.perf_counter()
         try:
             if seg.fn is None:
                 for t in seg.tasks:
-                    self.interpret(t, env)
+                    self.interpret(t, d)
+            elif self.cuda:
+                env.update(zip(seg.outputs, seg.fn(*[self.get(seg.replica, name, d) for name in seg.inputs])))
             else:
                 env.update(zip(seg.outputs, seg.fn(*[env[name] for name in seg.inputs])))
         except BaseException as e:  # noqa: BLE001 - reported with the op's name, other devices stop
-            self.fail((self.culprit(seg, env) if seg.fn is not None else seg.tasks[-1]).name, d, e)
+            self.fail((self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name, d, e)
             return False
         if self.timings is not None:
-            self.timings.append((seg, d, time.perf_counter() - t0))
-        self.finished([t.op for t in seg.tasks])
+            if start is not None:  # GPU time, read once the step has synchronized
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.streams[d])
+                self.timings.append((seg, d, (start, end)))
+            else:
+                self.timings.append((seg, d, time.perf_counter() - t0))
+        self.finished([t.op for t in seg.tasks], d)
         return True
 
     def device(self, d: int) -> None:
-        # Grad mode and the intra-op thread count are per thread.
+        # Grad mode, the intra-op thread count and the current CUDA stream (and GPU) are per thread.
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.threads)
+        if self.cuda:
+            torch.cuda.set_stream(self.streams[d])
         for seg in self.programs.devices[d]:
             try:
-                ready = self.wait_all(seg.waits)
+                ready = self.wait_all(seg.waits, d)
             except BaseException as e:  # noqa: BLE001 - an allreduce this device computed: stop every device
                 self.fail(f"allreduce before {seg.tasks[0].name}", d, e)
                 return
@@ -263,7 +363,8 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              threads_per_device: int = 1,
              timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
-    state tensors). `timings` collects (segment, device, seconds) of every segment run."""
+    state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of every
+    segment run (on CUDA the segment's GPU time)."""
     r = low.replicas
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
@@ -278,16 +379,33 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
         for env in envs:
             for name in low.prelude:
                 run.call(name, env)
+    gpus = list(dict.fromkeys(programs.targets)) if programs.cuda else []
+    for stream, dev in zip(programs.streams, programs.targets):  # after what the caller queued (the batch)
+        stream.wait_stream(torch.cuda.current_stream(dev))
     workers = [threading.Thread(target=run.device, args=(d,), daemon=True) for d in range(len(programs.devices))]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    try:
+        for dev in gpus:
+            torch.cuda.synchronize(dev)
+    except RuntimeError as e:  # an asynchronous kernel error surfaces here, not in the op that caused it
+        if run.error is None:
+            run.error = ("(asynchronous CUDA error: rerun with CUDA_LAUNCH_BLOCKING=1 to name the op)", -1, e)
+    run.held.clear()
     if run.error is not None:
         name, d, e = run.error
         raise StepError(f"op '{name}' on device {d} failed: {type(e).__name__}: {e}") from e
+    if timings is not None and gpus:
+        timings[:] = [(seg, d, t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3)
+                      for seg, d, t in timings]
+    home = params[0].device if params else programs.targets[0]
+    for name, d in programs.writeback:  # a buffer replica 0 updated on another GPU
+        if (0, name, d) in run.moved:
+            envs[0][name].copy_(run.moved[0, name, d][1])
     out, n = programs.outputs, len(low.step.param_names)
-    loss = sum(env[out[0]] for env in envs) / r
-    new_params = [envs[0][x] for x in out[1 + n:1 + 2 * n]]
-    new_states = [envs[0][x] for x in out[1 + 2 * n:]]
+    loss = sum(env[out[0]].to(home) for env in envs) / r
+    new_params = [envs[0][x].to(home) for x in out[1 + n:1 + 2 * n]]
+    new_states = [envs[0][x].to(home) for x in out[1 + 2 * n:]]
     return loss, new_params, new_states

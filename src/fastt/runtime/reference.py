@@ -60,6 +60,14 @@ def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
     return sum(losses) / replicas
 
 
+def eager_reference_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                         batch: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
+    """What a plan with `replicas` replicas computes, in eager mode: `eager_dp_step`, or `eager_step` for one."""
+    if replicas > 1:
+        return eager_dp_step(model, loss_fn, optimizer, batch, replicas)
+    return eager_step(model, loss_fn, optimizer, batch)
+
+
 def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """The largest difference of any parameter or buffer, relative to that tensor's largest magnitude."""
     return max((((x - y).abs().max() / x.abs().max().clamp_min(1e-12)).item()
