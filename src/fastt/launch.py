@@ -1,0 +1,125 @@
+"""Train a model with fastt's plans over torch.distributed, one process per device (gloo on CPU):
+
+    torchrun --nproc-per-node 2 -m fastt.launch --model mlp --size test --planners fastt,dp --steps 50 --check
+
+Every rank builds the same workload (seed 0) and the same batches; rank 0 prints the result (as `fastt run` does)
+and, with `--out`, writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
+rendezvous endpoint, as usual. A rank that fails or loses a peer exits non-zero with a message naming the rank
+that failed first; `--timeout` bounds how long a rank waits for a peer.
+
+`FASTT_FAULT=RANK:STEP:kill|raise` makes that rank die (SIGKILL) or raise at the start of that step (fault tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import FasttError
+
+
+def _fault(rank: int, step: int) -> None:
+    spec = os.environ.get("FASTT_FAULT", "")
+    if not spec:
+        return
+    r, s, what = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if what == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
+
+
+def train(args: argparse.Namespace) -> dict | None:
+    """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
+    from .cli import load_workload
+    from .runtime.bench import _check
+    from .runtime.distributed import gloo_cluster, parallelize_distributed
+    from .runtime.reference import batch_like
+
+    rank = dist.get_rank()
+
+    def make() -> tuple:
+        torch.manual_seed(0)
+        return load_workload(args.model, args.size, args.batch, args.optimizer)
+
+    cl = gloo_cluster()
+    results, worst = [], 0.0
+    for planner in args.planners.split(","):
+        name, model, loss_fn, opt, inputs = make()
+        initial = copy.deepcopy(model.state_dict())
+        step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, timeout_s=args.timeout)
+        batches = [batch_like(inputs, i) for i in range(args.steps)]
+        times = []
+        for i, b in enumerate(batches):
+            _fault(rank, i)
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(*b)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        measured = statistics.median(times[1:] or times)
+        results.append({"planner": planner, "measured_iteration_s": measured,
+                        "simulated_iteration_s": step.simulated_s,
+                        "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
+                        "splits": len(step.strategy.splits), "tuning": None})
+        if args.check and rank == 0:
+            worst = max(worst, _check(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
+                                      torch.get_num_threads(), model))
+        dist.barrier()
+    if rank != 0:
+        return None
+    return {"model": name, "devices": cl.name, "launcher": "torchrun", "nodes": len({d.node for d in cl.devices}),
+            "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
+                      for lk in cl.links},
+            "steps": args.steps, "results": results, "max_param_rel_diff": worst if args.check else None}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastt.launch", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mlp", help="zoo name or path/to/file.py:function")
+    p.add_argument("--size", default="test", choices=["test", "paper"])
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
+    p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--check", action="store_true", help="rank 0 trains the same steps in eager mode and compares")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", default=None, help="also write the result as JSON to this file")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    from .cli import format_run
+    from .runtime.distributed import RankError, record_failure
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 30.0)))
+    rank = dist.get_rank()
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        out = train(args)
+    except (RankError, FasttError, Exception) as e:  # noqa: BLE001 - every failure ends the job, named
+        msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}")
+        print(f"fastt: {msg}", file=sys.stderr, flush=True)
+        os._exit(1)
+    if out is not None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f)
+        print(json.dumps(out) if args.json else format_run(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""The distributed runtime: one process per device over torch.distributed (gloo on CPU), launched by torchrun.
+
+Every rank builds the same model, captures the same step and compiles the same programs as the local runtime
+(`local.compile_programs`); rank d runs device d's segments. What the local runtime hands over in memory goes by
+point-to-point messages, all known before the first step (`wire`):
+
+- a value one device reads from another: sent (`isend`, non-blocking) right after the segment that produced it,
+  received right before the first segment that reads it. Sends never block and a rank only waits for values
+  that come earlier in a valid plan, so no order of ranks can deadlock (the local runtime's argument).
+- an allreduce: every rank that reads its result receives every replica's gradient and sums them in replica
+  order, so all of them hold the same mean, bit for bit the local runtime's (and eager data parallelism's).
+- at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
+  them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
+
+A rank that fails, or loses a peer, records the first failure in the process group's store, says which rank it
+was and exits non-zero; its peers then lose it in turn and report the same first failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._guards import detect_fake_mode
+
+from ..cluster import Cluster, Link, cpu_cluster
+from ..cost import calibrate_cpu, fit_transfers
+from ..errors import FasttError
+from ..lower import JOIN, PART, Lowered
+from ..split import run_part
+from ..strategy import Strategy
+from .local import Programs, _Run
+
+DEFAULT_TIMEOUT_S = 20.0
+FAILED_KEY = "fastt/first_failure"
+
+
+class RankError(RuntimeError):
+    """This rank cannot go on: an op raised, or a peer is gone or silent. The message names the rank."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Replica `replica`'s value `name` going from rank `src` to rank `dst`; `tag` is its index in the step."""
+
+    src: int
+    dst: int
+    replica: int
+    name: str
+    tag: int
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Every message of a step. Per rank and segment: messages to receive before it, the allreduces it computes
+    first (op, messages), messages to send after it; then the end-of-step messages and, per rank, the values it
+    keeps from its own replicas (placeholder name -> (replica, output name))."""
+
+    messages: tuple[Message, ...]
+    recv_before: tuple[tuple[tuple[int, ...], ...], ...]
+    reduce_before: tuple[tuple[tuple[tuple[int, tuple[int, ...]], ...], ...], ...]
+    send_after: tuple[tuple[tuple[int, ...], ...], ...]
+    final: tuple[int, ...]
+    keep: tuple[dict[str, tuple[int, str]], ...]
+    shapes: dict[tuple[int, str], tuple[tuple[torch.Size, torch.dtype], ...]]
+
+
+def _produced(t) -> tuple[str, ...]:
+    """The values a task writes into its replica's table."""
+    if t.kind == PART:
+        return (f"{t.head}#{t.part[1]}",)
+    if t.kind == JOIN:
+        return (t.head, *t.nodes)
+    return t.nodes
+
+
+def _reads(low: Lowered, programs: Programs, seg) -> list[str]:
+    """The values a segment reads from its replica's table."""
+    if seg.fn is not None:
+        return list(seg.inputs)
+    names: list[str] = []
+    for t in seg.tasks:
+        if t.kind == PART:
+            names += [x.name for x in programs.nodes[t.head].all_input_nodes]
+        elif t.kind == JOIN:
+            parts = low.graph.ops[t.waits[0]].split[2]
+            names += [f"{t.head}#{k}" for k in range(parts)]
+        names += [x.name for n in t.nodes for x in programs.nodes[n].all_input_nodes]
+    return list(dict.fromkeys(names))
+
+
+def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
+    """(shape, dtype) of every tensor in each value, from the captured graph's fake tensors (split parts: the
+    head op run on them)."""
+    vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
+    fake = detect_fake_mode([v for v in vals.values() if isinstance(v, torch.Tensor)])
+    out = {}
+    parts = {f"{t.head}#{t.part[1]}": t for prog in low.programs for t in prog if t.kind == PART}
+    for name in names:
+        if name in out:
+            continue
+        if name in parts:
+            t = parts[name]
+            n = programs.nodes[t.head]
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: vals[a.name])
+            with fake:
+                v = run_part(n.target, args, kwargs, *t.part)
+        else:
+            v = vals.get(name)
+        flat = torch.utils._pytree.tree_leaves(v)
+        if not flat or not all(isinstance(x, torch.Tensor) for x in flat):
+            out[name] = None  # not sendable: only an error if some rank needs it
+        else:
+            out[name] = tuple((x.shape, x.dtype) for x in flat)
+    return out
+
+
+def wire(low: Lowered, programs: Programs) -> Wiring:
+    """All messages of a step of `programs`, one rank per device (see the module docstring)."""
+    n_dev = len(programs.devices)
+    where: dict[tuple[int, str], int] = {}
+    segment_of: dict[tuple[int, str], tuple[int, int]] = {}
+    for d, segs in enumerate(programs.devices):
+        for i, seg in enumerate(segs):
+            for t in seg.tasks:
+                for name in _produced(t):
+                    where[t.replica, name] = d
+                    segment_of[t.replica, name] = (d, i)
+    carried = {name for names in low.allreduces.values() for name in names}
+    messages: list[Message] = []
+    sent: set[tuple[int, str, int]] = set()
+    send_after = [[[] for _ in segs] for segs in programs.devices]
+
+    def deliver(k: int, name: str, d: int, at_end: bool = False) -> list[int]:
+        """A new message of replica k's `name` to d (none if d has it); sent after its segment or at the end."""
+        src = where.get((k, name))
+        if src is None or src == d or (k, name, d) in sent:
+            return []
+        sent.add((k, name, d))
+        messages.append(Message(src, d, k, name, len(messages)))
+        if not at_end:
+            s, i = segment_of[k, name]
+            send_after[s][i].append(len(messages) - 1)
+        return [len(messages) - 1]
+
+    recv_before, reduce_before = [], []
+    for d, segs in enumerate(programs.devices):
+        recvs, reduces, reduced = [], [], set()
+        for seg in segs:
+            recvs.append(tuple(m for name in _reads(low, programs, seg) if name not in carried
+                               for m in deliver(seg.replica, name, d)))
+            ars = []
+            for a in seg.waits:
+                if a in low.allreduces and a not in reduced:
+                    reduced.add(a)
+                    ars.append((a, tuple(m for k in range(low.replicas) for name in low.allreduces[a]
+                                         for m in deliver(k, name, d))))
+            reduces.append(tuple(ars))
+        recv_before.append(tuple(recvs))
+        reduce_before.append(tuple(reduces))
+    final, keep = _final(low, programs, where, deliver, n_dev)
+    shapes = _shapes(programs, [m.name for m in messages], low)
+    bad = [m.name for m in messages if shapes.get(m.name) is None]
+    if bad:
+        raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
+    return Wiring(tuple(messages), tuple(recv_before), tuple(reduce_before),
+                  tuple(tuple(tuple(x) for x in segs) for segs in send_after), tuple(final), keep,
+                  {(m.replica, m.name): shapes[m.name] for m in messages})
+
+
+def _final(low: Lowered, programs: Programs, where: dict, deliver, n_dev: int):
+    """End-of-step messages: the new state to the ranks that read it next step (and rank 0), the losses to rank 0.
+    Returns (message indices, per rank {placeholder: (replica, value name)} it keeps from its own replicas)."""
+    step, out = low.step, programs.outputs
+    n, n_buf = len(step.param_names), len(step.buffer_names)
+    ph = programs.placeholders
+    params, buffers = ph[:n], ph[n:n + n_buf]
+    states = ph[n + n_buf:n + n_buf + len(out) - 1 - 2 * n]
+    new = dict(zip(params, out[1 + n:1 + 2 * n])) | dict(zip(states, out[1 + 2 * n:]))
+    nodes = programs.nodes
+    for d, segs in enumerate(programs.devices):  # a buffer's new value is its placeholder after replica 0's copy_
+        for seg in segs:
+            for t in seg.tasks:
+                for name in t.nodes if t.replica == 0 else ():
+                    if nodes[name].target is torch.ops.aten.copy_.default and nodes[name].args[0].name in buffers:
+                        new[nodes[name].args[0].name] = nodes[name].args[0].name
+                        where[0, nodes[name].args[0].name] = d
+    readers: dict[str, set[int]] = {x: {0} for x in new}
+    for d, segs in enumerate(programs.devices):
+        for seg in segs:
+            for name in _reads(low, programs, seg):
+                if name in readers:
+                    readers[name].add(d)
+    final: list[int] = []
+    keep: list[dict[str, tuple[int, str]]] = [{} for _ in range(n_dev)]
+    for x, value in new.items():
+        for d in sorted(readers[x]):
+            own = [k for k in range(low.replicas) if where.get((k, value)) == d]
+            if x not in buffers and own:  # every replica applies the same update: its own copy is the same
+                keep[d][x] = (own[0], value)
+            elif where.get((0, value), d) == d:
+                keep[d][x] = (0, value)
+            else:
+                final += deliver(0, value, d, at_end=True)
+                keep[d][x] = (0, value)
+    final += [m for k in range(low.replicas) for m in deliver(k, out[0], 0, at_end=True)]
+    return final, tuple(keep)
+
+
+class _RankRun(_Run):
+    """One step on this rank: its device's segments, with the wiring's messages instead of shared memory."""
+
+    def __init__(self, low: Lowered, programs: Programs, wiring: Wiring, envs: list[dict], rank: int,
+                 timeout: timedelta) -> None:
+        super().__init__(low, programs, envs, torch.get_num_threads(), None)
+        self.wiring, self.rank, self.timeout = wiring, rank, timeout
+        self.sends: list = []
+
+    def receive(self, ms: Sequence[int]) -> None:
+        for i in ms:
+            m = self.wiring.messages[i]
+            shapes = self.wiring.shapes[m.replica, m.name]
+            bufs = [torch.empty(s, dtype=dt) for s, dt in shapes]
+            for b in bufs:
+                try:
+                    dist.irecv(b, m.src, tag=m.tag).wait(self.timeout)
+                except RuntimeError as e:
+                    raise RankError(_lost(m.src, m.name, e, self.timeout)) from e
+            node = self.programs.nodes.get(m.name)
+            meta = node.meta.get("val") if node is not None else None
+            self.envs[m.replica][m.name] = (bufs[0] if meta is None or isinstance(meta, torch.Tensor) else
+                                            torch.utils._pytree.tree_unflatten(bufs, torch.utils._pytree.tree_flatten(meta)[1]))
+
+    def send(self, ms: Sequence[int]) -> None:
+        for i in ms:
+            m = self.wiring.messages[i]
+            for x in torch.utils._pytree.tree_leaves(self.envs[m.replica][m.name]):
+                x = x.contiguous()
+                self.sends.append((x, dist.isend(x, m.dst, tag=m.tag)))
+
+    def reduce(self, a: int, ms: Sequence[int]) -> None:
+        self.receive(ms)
+        names = list(self.low.allreduces[a])
+        total = [self.envs[0][name] for name in names]
+        for env in self.envs[1:]:
+            total = torch._foreach_add(total, [env[name] for name in names])
+        torch._foreach_div_(total, float(len(self.envs)))
+        for env in self.envs:
+            env.update(zip(names, total))
+
+    def run(self) -> None:
+        d = self.rank
+        for i, seg in enumerate(self.programs.devices[d]):
+            self.receive(self.wiring.recv_before[d][i])
+            for a, ms in self.wiring.reduce_before[d][i]:
+                self.reduce(a, ms)
+            try:
+                if seg.fn is None:
+                    for t in seg.tasks:
+                        self.interpret(t, d)
+                else:
+                    env = self.envs[seg.replica]
+                    env.update(zip(seg.outputs, seg.fn(*[env[name] for name in seg.inputs])))
+            except Exception as e:
+                name = (self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name
+                raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
+            self.send(self.wiring.send_after[d][i])
+        mine = [i for i in self.wiring.final if self.wiring.messages[i].src == d]
+        self.send(mine)
+        self.receive([i for i in self.wiring.final if self.wiring.messages[i].dst == d])
+        for _, w in self.sends:
+            try:
+                w.wait(self.timeout)
+            except RuntimeError as e:
+                raise RankError(f"a send failed ({type(e).__name__}: {e})") from e
+
+
+def _lost(src: int, name: str, e: BaseException, timeout: timedelta) -> str:
+    if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+        return (f"rank {src} sent nothing for {timeout.total_seconds():g} s (waiting for '{name}'): "
+                f"rank {src} is stalled or dead")
+    return f"lost rank {src} (waiting for '{name}': {type(e).__name__}: {str(e).splitlines()[0]})"
+
+
+class DistributedStep:
+    """One training step of this rank's share of a plan: `loss = step(*batch)` (every rank passes the same whole
+    batch; the loss comes back on rank 0, None elsewhere). Rank 0's model and optimizer are the truth after every
+    step; other ranks keep what their devices read."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed, wiring: Wiring,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.model, self.optimizer, self.placed, self.wiring = model, optimizer, placed, wiring
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = timedelta(seconds=timeout_s)
+
+    @property
+    def strategy(self):
+        return self.placed.strategy
+
+    @property
+    def simulated_s(self) -> float:
+        return self.placed.simulated_s
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        from ..capture import bind
+
+        low, programs = self.placed.lowered, self.placed.programs
+        step = low.step
+        params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
+        r = low.replicas
+        if batch[0].shape[0] % r:
+            raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
+        b = batch[0].shape[0] // r
+        envs = []
+        for k in range(r):
+            own = list(buffers) if k == 0 else [x.clone() for x in buffers]
+            flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
+            envs.append(dict(zip(programs.placeholders, flat)))
+        run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout)
+        with torch.no_grad():
+            for env in envs:
+                for name in low.prelude:
+                    run.call(name, env)
+            try:
+                run.run()
+            except Exception as e:
+                raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
+                                               else f"rank {self.rank}: {type(e).__name__}: {e}")) from e
+        keep = self.wiring.keep[self.rank]
+        named = dict(zip(programs.placeholders, [*params, *buffers, *(s for ss in states for s in ss)]))
+        for x, (k, value) in keep.items():
+            new = envs[k][value]
+            target = named[x]
+            if isinstance(target, torch.nn.Parameter):
+                target.data = new
+            elif new is not target:
+                target.copy_(new)
+        if self.rank != 0:
+            return None
+        return sum(env[programs.outputs[0]] for env in envs) / r
+
+
+def record_failure(message: str) -> str:
+    """Record `message` as the job's first failure in the process group's store unless one is there; returns
+    the message with the first failure appended when that was another."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        first = store.compare_set(FAILED_KEY, "", message).decode()
+    except Exception:  # noqa: BLE001 - the store may be gone with the process that hosted it
+        return message
+    return message if first == message else f"{message} (first failure in the job: {first})"
+
+
+def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
+                 repeats: int = 5) -> tuple[list[int], list[float]]:
+    """Seconds to send each size from rank 0 to `peer` (half a ping-pong, median of repeats); rank 0 and `peer`
+    call it together, other ranks do not."""
+    rank, times = dist.get_rank(), []
+    for n in sizes:
+        buf = torch.zeros(n // 4)
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            ts.append((time.perf_counter() - t0) / 2)
+        times.append(statistics.median(ts[1:]))
+    return list(sizes), times
+
+
+def gloo_cluster() -> Cluster:
+    """The process group's ranks as a Cluster: a CPU device per rank (its cores, calibrated), nodes from torchrun's
+    LOCAL_WORLD_SIZE, and links whose latency and bandwidth are fitted (least squares) on gloo transfers measured
+    for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to the first rank of node 1).
+    Every rank calls it; all get rank 0's numbers."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node = [r // per_node for r in range(world)]
+    peers = {"intra": 1 if world > 1 and node[1] == 0 else None, "inter": per_node if per_node < world else None}
+    fitted: dict[str, tuple[float, float]] = {}
+    for cls, peer in peers.items():
+        if peer is None:
+            continue
+        if rank in (0, peer):
+            sizes, secs = measure_gloo(peer)
+            if rank == 0:
+                fitted[cls] = fit_transfers(sizes, secs)
+        dist.barrier()
+    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0]) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    fitted, dev = box[0]
+    devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
+                    for r in range(world))
+    links, routes = [], {}
+    for i, j in itertools.permutations(range(world), 2):
+        cls = "intra" if node[i] == node[j] else "inter"
+        latency, bandwidth = fitted[cls]
+        routes[i, j] = (len(links),)
+        links.append(Link(f"gloo-{cls}:{i}->{j}", bandwidth, latency))
+    return Cluster(f"gloo:{world}", devices, tuple(links), routes)
+
+
+def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
+                            example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
+                            strategy: Strategy | None = None, cl: Cluster | None = None,
+                            timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedStep:
+    """`parallelize` over an initialized gloo process group, one device per rank: every rank calls it with the
+    same model, optimizer and inputs. Every rank captures the step and measures its op times (at once, so they
+    include what the ranks cost each other); rank 0 plans and sends the plan to all."""
+    from ..api import capture, plan
+    from . import measure_step
+    from .local import place
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cl = cl or gloo_cluster()
+    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
+    threads = torch.get_num_threads()
+    if strategy is None and planner != "fastt":
+        strategy = plan(graph, cl, planner)
+    batches = ([graph.batch // strategy.replicas] if strategy is not None else
+               [graph.batch] + ([graph.batch // world] if graph.batch % world == 0 else []))
+    costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
+    if strategy is None and rank == 0:
+        strategy = plan(graph, cl, "fastt", measured=costs)
+    box = [strategy.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    strategy = Strategy.from_json(box[0])
+    placed = place(graph, strategy, cl, costs)
+    wiring = wire(placed.lowered, placed.programs)
+    digest = hashlib.sha1(repr(wiring.messages).encode()).hexdigest()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise FasttError("the ranks compiled different programs: do all ranks build the same model and inputs?")
+    return DistributedStep(model, optimizer, placed, wiring, timeout_s)
