@@ -73,8 +73,10 @@ def train(args: argparse.Namespace) -> dict | None:
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
                         "splits": len(step.strategy.splits), "tuning": None})
         if args.check and rank == 0:
-            worst = max(worst, _check(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
-                                      torch.get_num_threads(), model))
+            diff = _check(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
+                          torch.get_num_threads(), model)
+            results[-1]["max_param_rel_diff"] = diff
+            worst = max(worst, diff)
         dist.barrier()
     if rank != 0:
         return None

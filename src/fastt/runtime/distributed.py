@@ -119,8 +119,33 @@ def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
         if not flat or not all(isinstance(x, torch.Tensor) for x in flat):
             out[name] = None  # not sendable: only an error if some rank needs it
         else:
-            out[name] = tuple((x.shape, x.dtype) for x in flat)
+            out[name] = tuple((x.shape, x.stride(), x.dtype) for x in flat)
     return out
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of this shape and stride fills a block of memory exactly (its dims in some order)."""
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _wire_view(x: torch.Tensor) -> torch.Tensor:
+    """The memory of a dense tensor (any order of dims) as one contiguous vector: what goes over the wire, so
+    the receiver's tensor has the sender's strides (a later `view` in the captured step may rely on them)."""
+    return x.as_strided((x.numel(),), (1,), x.storage_offset())
+
+
+def _outgoing(x: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """x laid out with `stride` (the captured step's), as a contiguous vector to send."""
+    if not _dense(x.shape, stride):
+        return x.contiguous()
+    if tuple(x.stride()) != tuple(stride):
+        x = torch.empty_strided(x.shape, stride, dtype=x.dtype).copy_(x)
+    return _wire_view(x)
 
 
 def wire(low: Lowered, programs: Programs) -> Wiring:
@@ -186,19 +211,21 @@ def _final(low: Lowered, programs: Programs, where: dict, deliver, n_dev: int):
     states = ph[n + n_buf:n + n_buf + len(out) - 1 - 2 * n]
     new = dict(zip(params, out[1 + n:1 + 2 * n])) | dict(zip(states, out[1 + 2 * n:]))
     nodes = programs.nodes
-    for d, segs in enumerate(programs.devices):  # a buffer's new value is its placeholder after replica 0's copy_
-        for seg in segs:
-            for t in seg.tasks:
-                for name in t.nodes if t.replica == 0 else ():
-                    if nodes[name].target is torch.ops.aten.copy_.default and nodes[name].args[0].name in buffers:
-                        new[nodes[name].args[0].name] = nodes[name].args[0].name
-                        where[0, nodes[name].args[0].name] = d
+    for x, d in programs.writeback:  # a buffer's new value is its placeholder, written in place by replica 0
+        if x in buffers:
+            new[x] = x
+            where[0, x] = d
+    # Tasks read a parameter itself or through a view of it made before the step (the prelude).
+    root: dict[str, str] = {}
+    for name in low.prelude:
+        base = nodes[name].all_input_nodes[0].name
+        root[name] = root.get(base, base)
     readers: dict[str, set[int]] = {x: {0} for x in new}
     for d, segs in enumerate(programs.devices):
         for seg in segs:
             for name in _reads(low, programs, seg):
-                if name in readers:
-                    readers[name].add(d)
+                if root.get(name, name) in readers:
+                    readers[root.get(name, name)].add(d)
     final: list[int] = []
     keep: list[dict[str, tuple[int, str]]] = [{} for _ in range(n_dev)]
     for x, value in new.items():
@@ -228,12 +255,16 @@ class _RankRun(_Run):
         for i in ms:
             m = self.wiring.messages[i]
             shapes = self.wiring.shapes[m.replica, m.name]
-            bufs = [torch.empty(s, dtype=dt) for s, dt in shapes]
+            bufs = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in shapes]
             for b in bufs:
+                # A dense tensor is received in place; another (a slice) into a contiguous one, then laid out.
+                wire = _wire_view(b) if _dense(b.shape, b.stride()) else torch.empty(b.shape, dtype=b.dtype)
                 try:
-                    dist.irecv(b, m.src, tag=m.tag).wait(self.timeout)
+                    dist.irecv(wire, m.src, tag=m.tag).wait(self.timeout)
                 except RuntimeError as e:
                     raise RankError(_lost(m.src, m.name, e, self.timeout)) from e
+                if wire.shape != (b.numel(),) or not _dense(b.shape, b.stride()):
+                    b.copy_(wire)
             node = self.programs.nodes.get(m.name)
             meta = node.meta.get("val") if node is not None else None
             self.envs[m.replica][m.name] = (bufs[0] if meta is None or isinstance(meta, torch.Tensor) else
@@ -242,8 +273,9 @@ class _RankRun(_Run):
     def send(self, ms: Sequence[int]) -> None:
         for i in ms:
             m = self.wiring.messages[i]
-            for x in torch.utils._pytree.tree_leaves(self.envs[m.replica][m.name]):
-                x = x.contiguous()
+            values = torch.utils._pytree.tree_leaves(self.envs[m.replica][m.name])
+            for x, (_, stride, _) in zip(values, self.wiring.shapes[m.replica, m.name]):
+                x = _outgoing(x, stride) if x.numel() else x
                 self.sends.append((x, dist.isend(x, m.dst, tag=m.tag)))
 
     def reduce(self, a: int, ms: Sequence[int]) -> None:

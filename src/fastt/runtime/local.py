@@ -81,6 +81,19 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task],
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
 
 
+def written_placeholders(n: fx.Node) -> list[str]:
+    """The placeholders node n writes in place: a buffer `copy_`'d into, batch norm's running statistics (which
+    `native_batch_norm` updates in training although its schema does not say so)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return []
+    values = [*n.args, *(n.kwargs.get(a.name) for a in schema.arguments[len(n.args):])]
+    written = [v for a, v in zip(schema.arguments, values) if a.alias_info is not None and a.alias_info.is_write]
+    if n.target is torch.ops.aten.native_batch_norm.default and values[5]:
+        written += values[3:5]
+    return [v.name for v in written if isinstance(v, fx.Node) and v.op == "placeholder"]
+
+
 @dataclass(frozen=True)
 class Programs:
     """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for;
@@ -154,10 +167,9 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
     placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
     outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
-    # Buffers are updated by `copy_` into their placeholder: on another GPU that updates the device's copy.
-    writeback = tuple((nodes[name].args[0].name, d) for d, program in enumerate(low.programs) for t in program
-                      if t.replica == 0 for name in t.nodes if nodes[name].target is torch.ops.aten.copy_.default
-                      and nodes[name].args[0].op == "placeholder")
+    # Buffers are updated in place: on another GPU that updates the device's copy.
+    writeback = tuple((x, d) for d, program in enumerate(low.programs) for t in program if t.replica == 0
+                      for name in t.nodes for x in written_placeholders(nodes[name]))
     return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
                     _streams(targets) if targets[0].type == "cuda" else (), writeback)
 
