@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -232,6 +235,10 @@ def cmd_run(a: argparse.Namespace) -> None:
         if p != "eager":
             get_planner(p)
     check_models([a.model])
+    if a.launcher == "torchrun":
+        out = run_torchrun(a, planners)
+        print(json.dumps(out) if a.json else format_run(out))
+        return
     rnn = a.model in ("rnnlm", "gnmt")
 
     def make() -> tuple:
@@ -242,6 +249,25 @@ def cmd_run(a: argparse.Namespace) -> None:
     with torch.backends.mkldnn.flags(enabled=not rnn), torch.backends.cudnn.flags(enabled=not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune)
     print(json.dumps(out) if a.json else format_run(out))
+
+
+def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
+    """`fastt run` with one process per device: torchrun on this machine running `python -m fastt.launch`."""
+    m = re.fullmatch(r"cpu:(\d+)", a.devices.strip())
+    if m is None or a.tune:
+        raise FasttError("--launcher torchrun runs cpu:N (one process per CPU device, gloo), without --tune")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / "run.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", m[1],
+               "-m", "fastt.launch", "--model", a.model, "--size", a.size, "--optimizer", a.optimizer,
+               "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
+               "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
+               *(["--check"] if a.check else [])]
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        if r.returncode != 0 or not out_path.is_file():
+            said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]
+            raise FasttError("torchrun failed: " + ("; ".join(said) if said else r.stderr.strip()[-2000:]))
+        return json.loads(out_path.read_text())
 
 
 def format_run(out: dict) -> str:
@@ -323,6 +349,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also train in eager mode and compare the parameters")
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
+    p.add_argument("--launcher", default="local", choices=("local", "torchrun"),
+                   help="local: one process, a thread per device; torchrun: one process per device over gloo "
+                        "(python -m fastt.launch; multi-node: run torchrun yourself on every node)")
+    p.add_argument("--timeout", type=float, default=20.0, help="torchrun: seconds a rank waits for a peer")
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))

@@ -44,7 +44,7 @@ def train(args: argparse.Namespace) -> dict | None:
     from .cli import load_workload
     from .runtime.bench import _check
     from .runtime.distributed import gloo_cluster, parallelize_distributed
-    from .runtime.reference import batch_like
+    from .runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
 
     rank = dist.get_rank()
 
@@ -56,22 +56,38 @@ def train(args: argparse.Namespace) -> dict | None:
     results, worst = [], 0.0
     for planner in args.planners.split(","):
         name, model, loss_fn, opt, inputs = make()
+        if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
+            results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
+                                                                                    args.steps),
+                            "simulated_iteration_s": None, "error": None})
+            continue
         initial = copy.deepcopy(model.state_dict())
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, timeout_s=args.timeout)
         batches = [batch_like(inputs, i) for i in range(args.steps)]
-        times = []
+        ref = make() if args.check_steps and rank == 0 else None
+        times, step_diffs = [], []
         for i, b in enumerate(batches):
             _fault(rank, i)
+            if ref is not None:  # the reference takes this step from our state
+                ref[1].load_state_dict(model.state_dict())
+                for p, q in zip(ref[1].parameters(), model.parameters()):
+                    ref[3].state[p] = {k: v.clone() for k, v in opt.state[q].items()}
+                eager_reference_step(ref[1], ref[2], ref[3], b, step.strategy.replicas)
             dist.barrier()
             t0 = time.perf_counter()
             step(*b)
             dist.barrier()
             times.append(time.perf_counter() - t0)
+            if ref is not None:
+                step_diffs.append(max_param_rel_diff(ref[1], model))
         measured = statistics.median(times[1:] or times)
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
                         "splits": len(step.strategy.splits), "tuning": None})
+        if step_diffs:
+            results[-1]["max_step_rel_diff"] = max(step_diffs)
+            worst = max(worst, max(step_diffs))
         if args.check and rank == 0:
             diff = _check(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
                           torch.get_num_threads(), model)
@@ -83,7 +99,23 @@ def train(args: argparse.Namespace) -> dict | None:
     return {"model": name, "devices": cl.name, "launcher": "torchrun", "nodes": len({d.node for d in cl.devices}),
             "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
                       for lk in cl.links},
-            "steps": args.steps, "results": results, "max_param_rel_diff": worst if args.check else None}
+            "steps": args.steps, "results": results,
+            "max_param_rel_diff": worst if args.check or args.check_steps else None}
+
+
+def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
+    """Rank 0's median eager step time (after the first); the other ranks wait."""
+    from .runtime.reference import batch_like, eager_step
+
+    times = []
+    if dist.get_rank() == 0:
+        for i in range(steps):
+            b = batch_like(inputs, i)
+            t0 = time.perf_counter()
+            eager_step(model, loss_fn, opt, b)
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times[1:] or times) if times else 0.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--check", action="store_true", help="rank 0 trains the same steps in eager mode and compares")
+    p.add_argument("--check-steps", action="store_true",
+                   help="rank 0 compares every step with eager's step from the same state (for split plans of "
+                        "batch-norm models, whose trajectories diverge from rounding)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")

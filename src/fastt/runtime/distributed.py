@@ -49,28 +49,60 @@ class RankError(RuntimeError):
 
 @dataclass(frozen=True)
 class Message:
-    """Replica `replica`'s value `name` going from rank `src` to rank `dst`; `tag` is its index in the step."""
+    """Values (replica, name) going from rank `src` to rank `dst` in one buffer; `tag` is its index in the step."""
 
     src: int
     dst: int
-    replica: int
-    name: str
+    values: tuple[tuple[int, str], ...]
     tag: int
 
 
 @dataclass(frozen=True)
 class Wiring:
     """Every message of a step. Per rank and segment: messages to receive before it, the allreduces it computes
-    first (op, messages), messages to send after it; then the end-of-step messages and, per rank, the values it
-    keeps from its own replicas (placeholder name -> (replica, output name))."""
+    first (ops, messages), messages to send after it; then the end-of-step messages and, per rank, the values it
+    keeps from its own replicas (placeholder name -> (replica, value name))."""
 
     messages: tuple[Message, ...]
     recv_before: tuple[tuple[tuple[int, ...], ...], ...]
-    reduce_before: tuple[tuple[tuple[tuple[int, tuple[int, ...]], ...], ...], ...]
+    reduce_before: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]
     send_after: tuple[tuple[tuple[int, ...], ...], ...]
     final: tuple[int, ...]
     keep: tuple[dict[str, tuple[int, str]], ...]
-    shapes: dict[tuple[int, str], tuple[tuple[torch.Size, torch.dtype], ...]]
+    shapes: dict[tuple[int, str], tuple]  # value -> (pytree spec, per leaf (shape, stride, dtype) or None)
+
+
+class _Post:
+    """Builds the messages: a value goes to a rank once per step, and the values that leave one segment (or the
+    step's end) for one receiving point travel together in one buffer."""
+
+    def __init__(self, where: dict, segment_of: dict, programs: Programs) -> None:
+        self.where, self.segment_of = where, segment_of
+        self.messages: list[Message] = []
+        self.sent: set[tuple[int, str, int]] = set()
+        self.send_after: list[list[list[int]]] = [[[] for _ in segs] for segs in programs.devices]
+
+    def need(self, k: int, name: str, d: int) -> tuple | None:
+        """(source rank, its segment, value) when d needs replica k's `name` from another rank, else None."""
+        src = self.where.get((k, name))
+        if src is None or src == d or (k, name, d) in self.sent:
+            return None
+        self.sent.add((k, name, d))
+        return src, self.segment_of.get((k, name), (src, -1))[1], (k, name)
+
+    def post(self, d: int, needs: Sequence, at_end: bool = False) -> tuple[int, ...]:
+        """Messages to d carrying `needs` (from `need`), one per source segment; sent after it or at the end."""
+        groups: dict[tuple[int, int], list] = {}
+        for src, seg, value in needs:
+            if value is not None:
+                groups.setdefault((src, -1 if at_end else seg), []).append(value)
+        out = []
+        for (src, seg), values in groups.items():
+            out.append(len(self.messages))
+            self.messages.append(Message(src, d, tuple(values), len(self.messages)))
+            if not at_end:
+                self.send_after[src][seg].append(out[-1])
+        return tuple(out)
 
 
 def _produced(t) -> tuple[str, ...]:
@@ -98,8 +130,8 @@ def _reads(low: Lowered, programs: Programs, seg) -> list[str]:
 
 
 def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
-    """(shape, dtype) of every tensor in each value, from the captured graph's fake tensors (split parts: the
-    head op run on them)."""
+    """Each value's pytree spec and (shape, stride, dtype) of every tensor in it (None for a None), from the
+    captured graph's fake tensors (split parts: the head op run on them)."""
     vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
     fake = detect_fake_mode([v for v in vals.values() if isinstance(v, torch.Tensor)])
     out = {}
@@ -115,11 +147,11 @@ def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
                 v = run_part(n.target, args, kwargs, *t.part)
         else:
             v = vals.get(name)
-        flat = torch.utils._pytree.tree_leaves(v)
-        if not flat or not all(isinstance(x, torch.Tensor) for x in flat):
+        flat, spec = torch.utils._pytree.tree_flatten(v)
+        if not flat or not all(isinstance(x, torch.Tensor) or x is None for x in flat):
             out[name] = None  # not sendable: only an error if some rank needs it
         else:
-            out[name] = tuple((x.shape, x.stride(), x.dtype) for x in flat)
+            out[name] = (spec, tuple(None if x is None else (x.shape, x.stride(), x.dtype) for x in flat))
     return out
 
 
@@ -139,18 +171,63 @@ def _wire_view(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.numel(),), (1,), x.storage_offset())
 
 
-def _outgoing(x: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
-    """x laid out with `stride` (the captured step's), as a contiguous vector to send."""
-    if not _dense(x.shape, stride):
-        return x.contiguous()
-    if tuple(x.stride()) != tuple(stride):
-        x = torch.empty_strided(x.shape, stride, dtype=x.dtype).copy_(x)
-    return _wire_view(x)
+ALIGN = 16  # bytes: every tensor in a message buffer starts at a multiple, so it can be viewed as its dtype
+
+
+def _nbytes(leaf: tuple | None) -> int:
+    if leaf is None:
+        return 0
+    shape, _, dtype = leaf
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed_size(leaves: Sequence) -> int:
+    return sum(_nbytes(leaf) for leaf in leaves)
+
+
+def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]]) -> torch.Tensor:
+    """One byte buffer holding the tensors of a message, each laid out with the captured step's strides (dense
+    ones in their memory order, others contiguous), at offsets aligned to ALIGN."""
+    buf = torch.empty(_packed_size([leaf for _, leaf in pairs]), dtype=torch.uint8)
+    off = 0
+    for x, leaf in pairs:
+        if leaf is None or not x.numel():
+            off += _nbytes(leaf)
+            continue
+        shape, stride, _ = leaf
+        if not _dense(shape, stride):
+            flat = x.contiguous().view(-1)
+        else:
+            if tuple(x.stride()) != tuple(stride):
+                x = torch.empty_strided(shape, stride, dtype=x.dtype).copy_(x)
+            flat = _wire_view(x)
+        raw = flat.view(torch.uint8)
+        buf[off:off + raw.numel()].copy_(raw)
+        off += _nbytes(leaf)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
+    """The tensors `_pack` put in `buf`, with the captured step's shapes and strides (views of buf when dense)."""
+    out, off = [], 0
+    for leaf in leaves:
+        if leaf is None:
+            out.append(None)
+            continue
+        shape, stride, dtype = leaf
+        numel = torch.Size(shape).numel()
+        piece = buf[off:off + _nbytes(leaf)].view(dtype)[:numel]
+        if _dense(shape, stride):
+            out.append(piece.as_strided(shape, stride))
+        else:
+            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(piece.view(shape)))
+        off += _nbytes(leaf)
+    return out
 
 
 def wire(low: Lowered, programs: Programs) -> Wiring:
     """All messages of a step of `programs`, one rank per device (see the module docstring)."""
-    n_dev = len(programs.devices)
     where: dict[tuple[int, str], int] = {}
     segment_of: dict[tuple[int, str], tuple[int, int]] = {}
     for d, segs in enumerate(programs.devices):
@@ -160,50 +237,34 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                     where[t.replica, name] = d
                     segment_of[t.replica, name] = (d, i)
     carried = {name for names in low.allreduces.values() for name in names}
-    messages: list[Message] = []
-    sent: set[tuple[int, str, int]] = set()
-    send_after = [[[] for _ in segs] for segs in programs.devices]
-
-    def deliver(k: int, name: str, d: int, at_end: bool = False) -> list[int]:
-        """A new message of replica k's `name` to d (none if d has it); sent after its segment or at the end."""
-        src = where.get((k, name))
-        if src is None or src == d or (k, name, d) in sent:
-            return []
-        sent.add((k, name, d))
-        messages.append(Message(src, d, k, name, len(messages)))
-        if not at_end:
-            s, i = segment_of[k, name]
-            send_after[s][i].append(len(messages) - 1)
-        return [len(messages) - 1]
-
+    post = _Post(where, segment_of, programs)
     recv_before, reduce_before = [], []
     for d, segs in enumerate(programs.devices):
         recvs, reduces, reduced = [], [], set()
         for seg in segs:
-            recvs.append(tuple(m for name in _reads(low, programs, seg) if name not in carried
-                               for m in deliver(seg.replica, name, d)))
-            ars = []
-            for a in seg.waits:
-                if a in low.allreduces and a not in reduced:
-                    reduced.add(a)
-                    ars.append((a, tuple(m for k in range(low.replicas) for name in low.allreduces[a]
-                                         for m in deliver(k, name, d))))
-            reduces.append(tuple(ars))
+            needs = [post.need(seg.replica, name, d) for name in _reads(low, programs, seg) if name not in carried]
+            recvs.append(post.post(d, [x for x in needs if x]))
+            ops = tuple(a for a in dict.fromkeys(seg.waits) if a in low.allreduces and a not in reduced)
+            reduced.update(ops)
+            needs = [post.need(k, name, d) for a in ops for k in range(low.replicas) for name in low.allreduces[a]]
+            reduces.append((ops, post.post(d, [x for x in needs if x])) if ops else ((), ()))
         recv_before.append(tuple(recvs))
         reduce_before.append(tuple(reduces))
-    final, keep = _final(low, programs, where, deliver, n_dev)
-    shapes = _shapes(programs, [m.name for m in messages], low)
-    bad = [m.name for m in messages if shapes.get(m.name) is None]
+    final, keep = _final(low, programs, where, post)
+    values = list(dict.fromkeys(v for m in post.messages for v in m.values))
+    shapes = _shapes(programs, [name for _, name in values], low)
+    bad = [name for _, name in values if shapes.get(name) is None]
     if bad:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
-    return Wiring(tuple(messages), tuple(recv_before), tuple(reduce_before),
-                  tuple(tuple(tuple(x) for x in segs) for segs in send_after), tuple(final), keep,
-                  {(m.replica, m.name): shapes[m.name] for m in messages})
+    return Wiring(tuple(post.messages), tuple(recv_before), tuple(reduce_before),
+                  tuple(tuple(tuple(x) for x in segs) for segs in post.send_after), tuple(final), keep,
+                  {(k, name): shapes[name] for k, name in values})
 
 
-def _final(low: Lowered, programs: Programs, where: dict, deliver, n_dev: int):
+def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     """End-of-step messages: the new state to the ranks that read it next step (and rank 0), the losses to rank 0.
     Returns (message indices, per rank {placeholder: (replica, value name)} it keeps from its own replicas)."""
+    n_dev = len(programs.devices)
     step, out = low.step, programs.outputs
     n, n_buf = len(step.param_names), len(step.buffer_names)
     ph = programs.placeholders
@@ -226,19 +287,17 @@ def _final(low: Lowered, programs: Programs, where: dict, deliver, n_dev: int):
             for name in _reads(low, programs, seg):
                 if root.get(name, name) in readers:
                     readers[root.get(name, name)].add(d)
-    final: list[int] = []
+    needs: list[list] = [[] for _ in range(n_dev)]
     keep: list[dict[str, tuple[int, str]]] = [{} for _ in range(n_dev)]
     for x, value in new.items():
         for d in sorted(readers[x]):
             own = [k for k in range(low.replicas) if where.get((k, value)) == d]
-            if x not in buffers and own:  # every replica applies the same update: its own copy is the same
-                keep[d][x] = (own[0], value)
-            elif where.get((0, value), d) == d:
-                keep[d][x] = (0, value)
-            else:
-                final += deliver(0, value, d, at_end=True)
-                keep[d][x] = (0, value)
-    final += [m for k in range(low.replicas) for m in deliver(k, out[0], 0, at_end=True)]
+            # Every replica applies the same update, so a rank's own replica's new parameter is the same.
+            k = own[0] if own and x not in buffers else 0
+            keep[d][x] = (k, value)
+            needs[d].append(post.need(k, value, d))
+    needs[0] += [post.need(k, out[0], 0) for k in range(low.replicas)]
+    final = [m for d in range(n_dev) for m in post.post(d, [x for x in needs[d] if x], at_end=True)]
     return final, tuple(keep)
 
 
@@ -254,33 +313,29 @@ class _RankRun(_Run):
     def receive(self, ms: Sequence[int]) -> None:
         for i in ms:
             m = self.wiring.messages[i]
-            shapes = self.wiring.shapes[m.replica, m.name]
-            bufs = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in shapes]
-            for b in bufs:
-                # A dense tensor is received in place; another (a slice) into a contiguous one, then laid out.
-                wire = _wire_view(b) if _dense(b.shape, b.stride()) else torch.empty(b.shape, dtype=b.dtype)
+            leaves = [leaf for v in m.values for leaf in self.wiring.shapes[v][1]]
+            buf = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+            if buf.numel():
                 try:
-                    dist.irecv(wire, m.src, tag=m.tag).wait(self.timeout)
+                    dist.irecv(buf, m.src, tag=m.tag).wait(self.timeout)
                 except RuntimeError as e:
-                    raise RankError(_lost(m.src, m.name, e, self.timeout)) from e
-                if wire.shape != (b.numel(),) or not _dense(b.shape, b.stride()):
-                    b.copy_(wire)
-            node = self.programs.nodes.get(m.name)
-            meta = node.meta.get("val") if node is not None else None
-            self.envs[m.replica][m.name] = (bufs[0] if meta is None or isinstance(meta, torch.Tensor) else
-                                            torch.utils._pytree.tree_unflatten(bufs, torch.utils._pytree.tree_flatten(meta)[1]))
+                    raise RankError(_lost(m.src, m.values[0][1], e, self.timeout)) from e
+            tensors = iter(_unpack(buf, leaves))
+            for v in m.values:
+                spec, vleaves = self.wiring.shapes[v]
+                self.envs[v[0]][v[1]] = torch.utils._pytree.tree_unflatten([next(tensors) for _ in vleaves], spec)
 
     def send(self, ms: Sequence[int]) -> None:
         for i in ms:
             m = self.wiring.messages[i]
-            values = torch.utils._pytree.tree_leaves(self.envs[m.replica][m.name])
-            for x, (_, stride, _) in zip(values, self.wiring.shapes[m.replica, m.name]):
-                x = _outgoing(x, stride) if x.numel() else x
-                self.sends.append((x, dist.isend(x, m.dst, tag=m.tag)))
+            pairs = [(x, leaf) for v in m.values for x, leaf in
+                     zip(torch.utils._pytree.tree_leaves(self.envs[v[0]][v[1]]), self.wiring.shapes[v][1])]
+            buf = _pack(pairs)
+            if buf.numel():
+                self.sends.append((buf, dist.isend(buf, m.dst, tag=m.tag)))
 
-    def reduce(self, a: int, ms: Sequence[int]) -> None:
-        self.receive(ms)
-        names = list(self.low.allreduces[a])
+    def reduce(self, ops: Sequence[int]) -> None:
+        names = [name for a in ops for name in self.low.allreduces[a]]
         total = [self.envs[0][name] for name in names]
         for env in self.envs[1:]:
             total = torch._foreach_add(total, [env[name] for name in names])
@@ -292,8 +347,10 @@ class _RankRun(_Run):
         d = self.rank
         for i, seg in enumerate(self.programs.devices[d]):
             self.receive(self.wiring.recv_before[d][i])
-            for a, ms in self.wiring.reduce_before[d][i]:
-                self.reduce(a, ms)
+            ops, ms = self.wiring.reduce_before[d][i]
+            if ops:
+                self.receive(ms)
+                self.reduce(ops)
             try:
                 if seg.fn is None:
                     for t in seg.tasks:
