@@ -22,6 +22,7 @@ from .cost import MeasuredCosts, calibrate_cpu
 from .errors import FasttError
 from .graph import OpGraph
 from .plan import PLANNERS, get_planner
+from .simulate import inter_node_bytes
 from .strategy import Strategy
 
 
@@ -134,23 +135,28 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
                 "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes], "fits": bool(tl.fits),
                 "oom": list(tl.oom), "splits": len(strategy.splits), "ops": len(graph.ops),
                 "fx_nodes": graph.fx_nodes, "batch": graph.batch,
+                "inter_node_bytes": inter_node_bytes(tl, cl),
             })
     return rows
 
 
 def format_table(rows: list[dict], cl: Cluster) -> str:
     head = ("model", "planner", "batch", "iter ms", "vs DP", "/LB", "plan s", "peak GB per device", "fits", "splits")
+    nodes = len({d.node for d in cl.devices})
+    head += ("inter-node GB",) if nodes > 1 else ()
     lines = []
     for r in rows:
         sp = f"{r['speedup_over_dp']:.2f}x" if r["speedup_over_dp"] else "-"
         lb = f"{r['lower_bound_ratio']:.2f}" if r["lower_bound_ratio"] else "-"
         mem = " ".join(f"{_gb(b):g}" for b in r["peak_memory_bytes"])
         lines.append((r["model"], r["planner"], str(r["batch"]), f"{r['iteration_s'] * 1e3:.1f}", sp, lb,
-                      f"{r['plan_s']:.2f}", mem, "yes" if r["fits"] else "NO", str(r["splits"])))
+                      f"{r['plan_s']:.2f}", mem, "yes" if r["fits"] else "NO", str(r["splits"]))
+                     + ((f"{r['inter_node_bytes'] / 1e9:.3f}",) if nodes > 1 else ()))
     widths = [max(len(x) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [(f"cluster {cl.name}: {len(cl.devices)} x {cl.devices[0].kind}, "
-           f"{_gb(cl.devices[0].memory_bytes):g} GB each"), fmt.format(*head)]
+    out = [(f"cluster {cl.name}: {len(cl.devices)} x {cl.devices[0].kind}"
+            + (f" in {nodes} nodes" if nodes > 1 else "") + f", {_gb(cl.devices[0].memory_bytes):g} GB each"),
+           fmt.format(*head)]
     out += [fmt.format(*line) for line in lines]
     out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in rows if not r["fits"]]
     return "\n".join(out)
@@ -212,6 +218,7 @@ def cmd_simulate(a: argparse.Namespace) -> None:
                "lower_bound_s": tl.lower_bound_s, "fits": bool(tl.fits), "oom": list(tl.oom),
                "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
                "busy_s": [float(b) for b in tl.busy_s], "critical_path_ops": len(tl.critical_path),
+               "inter_node_bytes": inter_node_bytes(tl, cl),
                "trace": a.trace, "gantt": a.gantt}
     if a.json:
         print(json.dumps(summary))

@@ -35,6 +35,7 @@ def _fault(rank: int, step: int) -> None:
     r, s, what = spec.split(":")
     if int(r) == rank and int(s) == step:
         if what == "kill":
+            print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
 
@@ -67,7 +68,6 @@ def train(args: argparse.Namespace) -> dict | None:
         ref = make() if args.check_steps and rank == 0 else None
         times, step_diffs = [], []
         for i, b in enumerate(batches):
-            _fault(rank, i)
             if ref is not None:  # the reference takes this step from our state
                 ref[1].load_state_dict(model.state_dict())
                 for p, q in zip(ref[1].parameters(), model.parameters()):
@@ -75,6 +75,7 @@ def train(args: argparse.Namespace) -> dict | None:
                 eager_reference_step(ref[1], ref[2], ref[3], b, step.strategy.replicas)
             dist.barrier()
             t0 = time.perf_counter()
+            _fault(rank, i)  # the others are in the step, waiting for this rank
             step(*b)
             dist.barrier()
             times.append(time.perf_counter() - t0)
@@ -139,15 +140,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     from .cli import format_run
-    from .runtime.distributed import RankError, record_failure
+    from .runtime.distributed import RankError, record_failure, start_heartbeat
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 30.0)))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
+    start_heartbeat()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         out = train(args)
     except (RankError, FasttError, Exception) as e:  # noqa: BLE001 - every failure ends the job, named
-        msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}")
+        lost = isinstance(e, RuntimeError) and "gloo" in str(e)  # a collective (barrier) lost a peer
+        msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost)
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
         os._exit(1)
     if out is not None:

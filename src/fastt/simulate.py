@@ -445,3 +445,15 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} bytes"
+
+
+def inter_node_bytes(tl: Timeline, cluster: Cluster) -> int:
+    """Bytes a simulated step moves between nodes: transfers between devices of different nodes, and each ring
+    allreduce's hops that cross nodes (2(n-1)/n of its bytes per hop, as `_ring` costs it)."""
+    node = [d.node for d in cluster.devices]
+    total = sum(t.nbytes for t in tl.transfers if node[t.src] != node[t.dst])
+    for c in tl.collectives:
+        n = len(c.group)
+        hops = sum(node[c.group[i]] != node[c.group[(i + 1) % n]] for i in range(n)) if n > 1 else 0
+        total += hops * 2 * (n - 1) / n * c.nbytes
+    return int(total)

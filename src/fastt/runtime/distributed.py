@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +46,10 @@ FAILED_KEY = "fastt/first_failure"
 
 class RankError(RuntimeError):
     """This rank cannot go on: an op raised, or a peer is gone or silent. The message names the rank."""
+
+
+class LostPeer(RankError):
+    """A peer closed its connection or sent nothing in time."""
 
 
 @dataclass(frozen=True)
@@ -319,7 +324,7 @@ class _RankRun(_Run):
                 try:
                     dist.irecv(buf, m.src, tag=m.tag).wait(self.timeout)
                 except RuntimeError as e:
-                    raise RankError(_lost(m.src, m.values[0][1], e, self.timeout)) from e
+                    raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
             tensors = iter(_unpack(buf, leaves))
             for v in m.values:
                 spec, vleaves = self.wiring.shapes[v]
@@ -369,7 +374,7 @@ class _RankRun(_Run):
             try:
                 w.wait(self.timeout)
             except RuntimeError as e:
-                raise RankError(f"a send failed ({type(e).__name__}: {e})") from e
+                raise LostPeer(f"a send failed ({type(e).__name__}: {e})") from e
 
 
 def _lost(src: int, name: str, e: BaseException, timeout: timedelta) -> str:
@@ -422,7 +427,8 @@ class DistributedStep:
                 run.run()
             except Exception as e:
                 raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
-                                               else f"rank {self.rank}: {type(e).__name__}: {e}")) from e
+                                               else f"rank {self.rank}: {type(e).__name__}: {e}",
+                                               lost_peer=isinstance(e, LostPeer))) from e
         keep = self.wiring.keep[self.rank]
         named = dict(zip(programs.placeholders, [*params, *buffers, *(s for ss in states for s in ss)]))
         for x, (k, value) in keep.items():
@@ -437,16 +443,48 @@ class DistributedStep:
         return sum(env[programs.outputs[0]] for env in envs) / r
 
 
-def record_failure(message: str) -> str:
+def record_failure(message: str, lost_peer: bool = False) -> str:
     """Record `message` as the job's first failure in the process group's store unless one is there; returns
-    the message with the first failure appended when that was another."""
+    the message with the first failure appended when that was another. `lost_peer`: this rank lost a connection
+    or timed out, which may be a rank further away that died: the ranks whose heartbeat stopped are named."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
+        if lost_peer and not store.check([FAILED_KEY]):
+            dead = silent_ranks(store)
+            if dead:
+                message += f"; rank {', '.join(map(str, dead))} stopped (no heartbeat)"
         first = store.compare_set(FAILED_KEY, "", message).decode()
     except Exception:  # noqa: BLE001 - the store may be gone with the process that hosted it
         return message
     return message if first == message else f"{message} (first failure in the job: {first})"
+
+
+HEARTBEAT_S = 0.5
+
+
+def start_heartbeat() -> None:
+    """Count this rank's heartbeats in the store, from a daemon thread: a rank that dies stops counting."""
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(f"fastt/heartbeat/{rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="fastt-heartbeat").start()
+
+
+def silent_ranks(store, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
+    """The other ranks whose heartbeat count did not move in `wait_s` (ranks that never beat are left out)."""
+    keys = [f"fastt/heartbeat/{r}" for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    ranks = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    before = [store.add(k, 0) for k in keys]
+    time.sleep(wait_s)
+    return [r for r, k, b in zip(ranks, keys, before) if b and store.add(k, 0) == b]
 
 
 def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),

@@ -1,0 +1,116 @@
+"""Plans over torch.distributed (gloo on loopback, one process per device, launched by torchrun) train as eager
+PyTorch does; a rank that dies or raises ends the job within seconds, named.
+
+FASTT_DISTRIBUTED=full runs the issue's sizes (50 steps, inception_v3 on 4 ranks too); by default each run is a
+few steps, so CI stays short (4 ranks on 2 cores are oversubscribed: correct, slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FULL = os.environ.get("FASTT_DISTRIBUTED") == "full"
+STEPS = 50 if FULL else 4
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None, nodes: tuple[int, int] | None = None,
+             port: int | None = None, **kw) -> subprocess.Popen:
+    """torchrun -m fastt.launch (standalone, or node `nodes[0]` of `nodes[1]` with a rendezvous on `port`)."""
+    where = (["--standalone"] if nodes is None else
+             ["--nnodes", str(nodes[1]), "--node-rank", str(nodes[0]), "--master-addr", "127.0.0.1",
+              "--master-port", str(port)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(nproc),
+           "-m", "fastt.launch", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV, **kw)
+
+
+def run(nproc: int, *args: str, timeout: float = 900) -> tuple[int, str, str]:
+    p = torchrun(nproc, *args)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def results(path: Path) -> dict:
+    return {r["planner"]: r for r in json.loads(path.read_text())["results"]}
+
+
+CASES = [("mlp", 2), ("transformer", 2), ("inception_v3", 2), ("mlp", 4), ("transformer", 4)]
+CASES += [("inception_v3", 4)] if FULL else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "ranks"), CASES)
+def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) -> None:
+    planners = "dp,dpos" + ("" if model == "inception_v3" else ",fastt")
+    rc, _, err = run(ranks, "--model", model, "--planners", planners, "--steps", str(STEPS), "--check",
+                     "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    res = results(tmp_path / "out.json")
+    assert res["dp"]["replicas"] == ranks
+    for planner, r in res.items():
+        assert r["max_param_rel_diff"] <= 1e-5, (planner, r)
+        assert r["measured_iteration_s"] > 0 and r["simulated_iteration_s"] > 0
+
+
+@pytest.mark.slow
+def test_fastt_plans_of_a_batch_norm_model_match_eager_step_by_step(tmp_path: Path) -> None:
+    """OS-DPOS may split inception_v3's convolutions; their parts sum in another order, and in batch-norm models
+    that rounding grows to order 1 over a trajectory (see tests/test_runtime.py): compare each step instead."""
+    rc, _, err = run(2, "--model", "inception_v3", "--planners", "fastt", "--steps", str(min(STEPS, 10)),
+                     "--check-steps", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize(("ranks", "fault"), [(3, "kill"), (2, "raise")])
+def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(ranks: int, fault: str) -> None:
+    env = {**ENV, "FASTT_FAULT": f"1:2:{fault}"}
+    p = torchrun(ranks, "--model", "mlp", "--planners", "dp", "--steps", "6", "--timeout", "20", env=env)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode != 0
+    said = [line for line in err.splitlines() if line.startswith("fastt:") and "kills itself" not in line]
+    if fault == "raise":
+        assert any(re.match(r"fastt: rank 1: RuntimeError: fault injected at step 2", s) for s in said), err[-3000:]
+    # The job's report names rank 1: the survivors' own messages (first failure in the job), or torchrun's.
+    others = "\n".join(line for line in err.splitlines() if "kills itself" not in line)
+    assert re.search(r"rank 1\b|rank\s*: 1 ", others), err[-3000:]
+
+
+def test_survivors_of_a_killed_rank_exit_within_30_s() -> None:
+    """Time from the kill to the end of the job."""
+    env = {**ENV, "FASTT_FAULT": "1:2:kill"}
+    p = torchrun(2, "--model", "mlp", "--planners", "dp", "--steps", "6", "--timeout", "20", env=env)
+    killed = None
+    for line in p.stderr:
+        if "kills itself" in line:
+            killed = time.monotonic()
+            break
+    p.communicate(timeout=300)
+    end = time.monotonic()
+    assert killed is not None and p.returncode != 0
+    assert end - killed < 30
+
+
+def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+    """Two torchrun agents, one rank each, as two nodes: the cluster has a fitted link class between nodes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ("--model", "mlp", "--planners", "dp,dpos", "--steps", "3", "--check")
+    nodes = [torchrun(1, *args, "--out", str(tmp_path / f"out{i}.json"), nodes=(i, 2), port=port)
+             for i in range(2)]
+    for p in nodes:
+        p.communicate(timeout=600)
+        assert p.returncode == 0
+    out = json.loads((tmp_path / "out0.json").read_text())
+    assert out["nodes"] == 2 and "gloo-inter" in out["links"] and out["max_param_rel_diff"] <= 1e-5
