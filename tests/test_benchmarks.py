@@ -35,3 +35,12 @@ def test_runtime_benchmark_small() -> None:
     assert {r["planner"] for r in rows["accuracy"]} == {"fastt", "dp", "single"}
     assert all(r["tuning"] and r["tuning"][0]["plan"].startswith("dp") for r in rows["speed"])
     assert all(r["best_speedup"] > 0 for r in rows["ceiling"])
+
+
+def test_distributed_benchmark_small() -> None:
+    out = subprocess.run([sys.executable, "benchmarks/distributed.py", "--small"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["median_abs_error"] >= 0 and set(summary["fastt_over_one_process"]) == {"mlp"}
+    rows = json.loads((ROOT / "out/distributed-small.json").read_text())["rows"]
+    assert {r["planner"] for r in rows[0]["results"]} == {"fastt", "dp", "single", "eager"}

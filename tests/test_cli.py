@@ -220,3 +220,17 @@ def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
     assert out["max_param_rel_diff"] <= 1e-5
     bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--steps", "1", cwd=tmp_path)
     assert bad.returncode == 2 and "local runtime runs cpu:N" in bad.stderr
+
+
+def test_compare_across_nodes_reports_inter_node_traffic(tmp_path: Path) -> None:
+    r = ok(fastt("compare", "--model", "transformer", "--cluster", "2x4xV100", "--planners", "dp,dpos", "--json",
+                 cwd=tmp_path))
+    rows = {row["planner"]: row for row in json.loads(r.stdout)["results"]}
+    # DP's ring over 8 GPUs crosses between the nodes twice: each hop carries 2(n-1)/n of the gradients.
+    assert rows["dp"]["inter_node_bytes"] > 0 and rows["dpos"]["inter_node_bytes"] >= 0
+    table = ok(fastt("compare", "--model", "transformer", "--cluster", "2x4xV100", "--planners", "dp",
+                     cwd=tmp_path)).stdout
+    assert "in 2 nodes" in table and "inter-node GB" in table
+    one_node = json.loads(ok(fastt("compare", "--model", "transformer", "--cluster", "8xV100", "--planners", "dp",
+                                   "--json", cwd=tmp_path)).stdout)["results"][0]
+    assert one_node["inter_node_bytes"] == 0

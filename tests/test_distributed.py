@@ -51,39 +51,34 @@ CASES += [("inception_v3", 4)] if FULL else []
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "ranks"), CASES)
 def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) -> None:
-    planners = "dp,dpos" + ("" if model == "inception_v3" else ",fastt")
-    rc, _, err = run(ranks, "--model", model, "--planners", planners, "--steps", str(STEPS), "--check",
-                     "--out", str(tmp_path / "out.json"))
+    """Plans without split ops train as eager does over the whole trajectory. A split op sums its parts in
+    another order than eager's kernel, and that rounding grows over a trajectory (to order 1 in batch-norm models;
+    4e-4 after 20 steps of transformer, bit for bit the local runtime's): those plans are compared step by step
+    from the same state."""
+    rc, _, err = run(ranks, "--model", model, "--planners", "dp,dpos,fastt", "--steps", str(STEPS), "--check",
+                     "--check-steps", "--out", str(tmp_path / "out.json"))
     assert rc == 0, err[-3000:]
     res = results(tmp_path / "out.json")
-    assert res["dp"]["replicas"] == ranks
+    assert res["dp"]["replicas"] == ranks and res["dp"]["splits"] == res["dpos"]["splits"] == 0
     for planner, r in res.items():
-        assert r["max_param_rel_diff"] <= 1e-5, (planner, r)
+        diff = r["max_step_rel_diff"] if r["splits"] else r["max_param_rel_diff"]
+        assert diff <= 1e-5, (planner, r["splits"], r)
         assert r["measured_iteration_s"] > 0 and r["simulated_iteration_s"] > 0
 
 
-@pytest.mark.slow
-def test_fastt_plans_of_a_batch_norm_model_match_eager_step_by_step(tmp_path: Path) -> None:
-    """OS-DPOS may split inception_v3's convolutions; their parts sum in another order, and in batch-norm models
-    that rounding grows to order 1 over a trajectory (see tests/test_runtime.py): compare each step instead."""
-    rc, _, err = run(2, "--model", "inception_v3", "--planners", "fastt", "--steps", str(min(STEPS, 10)),
-                     "--check-steps", "--out", str(tmp_path / "out.json"))
-    assert rc == 0, err[-3000:]
-    assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-4
-
-
-@pytest.mark.parametrize(("ranks", "fault"), [(3, "kill"), (2, "raise")])
+@pytest.mark.parametrize(("ranks", "fault"), [(4, "kill"), (2, "raise")])
 def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(ranks: int, fault: str) -> None:
     env = {**ENV, "FASTT_FAULT": f"1:2:{fault}"}
     p = torchrun(ranks, "--model", "mlp", "--planners", "dp", "--steps", "6", "--timeout", "20", env=env)
     _, err = p.communicate(timeout=300)
-    assert p.returncode != 0
+    assert p.returncode != 0 and "FasttError" not in err, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("fastt:") and "kills itself" not in line]
     if fault == "raise":
         assert any(re.match(r"fastt: rank 1: RuntimeError: fault injected at step 2", s) for s in said), err[-3000:]
     # The job's report names rank 1: the survivors' own messages (first failure in the job), or torchrun's.
     others = "\n".join(line for line in err.splitlines() if "kills itself" not in line)
-    assert re.search(r"rank 1\b|rank\s*: 1 ", others), err[-3000:]
+    named = r"rank 1\b" if fault == "raise" else r"rank 1 stopped|lost rank 1\b|rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9"
+    assert re.search(named, others), err[-3000:]
 
 
 def test_survivors_of_a_killed_rank_exit_within_30_s() -> None:

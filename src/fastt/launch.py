@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import FasttError
+from .strategy import Strategy
 
 
 def _fault(rank: int, step: int) -> None:
@@ -63,7 +64,9 @@ def train(args: argparse.Namespace) -> dict | None:
                             "simulated_iteration_s": None, "error": None})
             continue
         initial = copy.deepcopy(model.state_dict())
-        step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, timeout_s=args.timeout)
+        strategy = Strategy.load(args.strategy) if args.strategy else None
+        step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
+                                       timeout_s=args.timeout)
         batches = [batch_like(inputs, i) for i in range(args.steps)]
         ref = make() if args.check_steps and rank == 0 else None
         times, step_diffs = [], []
@@ -134,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")
+    p.add_argument("--strategy", default=None, help="run this strategy file (fastt plan --out) instead of planning")
     return p
 
 
