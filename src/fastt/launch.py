@@ -67,6 +67,9 @@ def train(args: argparse.Namespace) -> dict | None:
         strategy = Strategy.load(args.strategy) if args.strategy else None
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
                                        timeout_s=args.timeout)
+        if args.save_plans and rank == 0:
+            os.makedirs(args.save_plans, exist_ok=True)
+            step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
         batches = [batch_like(inputs, i) for i in range(args.steps)]
         ref = make() if args.check_steps and rank == 0 else None
         times, step_diffs = [], []
@@ -138,6 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")
     p.add_argument("--strategy", default=None, help="run this strategy file (fastt plan --out) instead of planning")
+    p.add_argument("--save-plans", default=None, help="rank 0 writes each planner's strategy to DIR/PLANNER.json")
     return p
 
 
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    start_heartbeat()
+    stop_heartbeat = start_heartbeat()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         out = train(args)
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.out, "w") as f:
                 json.dump(out, f)
         print(json.dumps(out) if args.json else format_run(out), flush=True)
+    stop_heartbeat()
+    dist.barrier()  # no rank tears down its connections while another still uses them
     dist.destroy_process_group()
 
 

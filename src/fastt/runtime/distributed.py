@@ -12,8 +12,9 @@ point-to-point messages, all known before the first step (`wire`):
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
 
-A rank that fails, or loses a peer, records the first failure in the process group's store, says which rank it
-was and exits non-zero; its peers then lose it in turn and report the same first failure.
+A rank that fails records the job's first failure in the process group's store and raises `RankError` (the
+launcher exits non-zero); its peers then lose it in turn and report that first failure. Every wait has a timeout,
+and ranks count heartbeats in the store, so a rank that loses a connection names the rank that stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -32,13 +33,14 @@ import torch
 import torch.distributed as dist
 from torch._guards import detect_fake_mode
 
+from ..capture import bind
 from ..cluster import Cluster, Link, cpu_cluster
 from ..cost import calibrate_cpu, fit_transfers
 from ..errors import FasttError
 from ..lower import JOIN, PART, Lowered
-from ..split import run_part
+from ..split import rule, run_part, slice_dims
 from ..strategy import Strategy
-from .local import Programs, _Run
+from .local import Placed, Programs, _Run, replica_envs, written_placeholders
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
@@ -75,6 +77,10 @@ class Wiring:
     final: tuple[int, ...]
     keep: tuple[dict[str, tuple[int, str]], ...]
     shapes: dict[tuple[int, str], tuple]  # value -> (pytree spec, per leaf (shape, stride, dtype) or None)
+    # Per rank: chunks of buffers its split ops wrote, to name before the end (buffer, name, dim, k, parts), and
+    # chunks others wrote, to copy into its buffer after the end.
+    chunks: tuple[tuple[tuple, ...], ...] = ()
+    merge: tuple[tuple[tuple, ...], ...] = ()
 
 
 class _Post:
@@ -134,7 +140,7 @@ def _reads(low: Lowered, programs: Programs, seg) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
+def _shapes(programs: Programs, names: Sequence[str], low: Lowered, chunks: dict) -> dict:
     """Each value's pytree spec and (shape, stride, dtype) of every tensor in it (None for a None), from the
     captured graph's fake tensors (split parts: the head op run on them)."""
     vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
@@ -144,7 +150,10 @@ def _shapes(programs: Programs, names: Sequence[str], low: Lowered) -> dict:
     for name in names:
         if name in out:
             continue
-        if name in parts:
+        if name in chunks:
+            x, dim, k, n_parts = chunks[name]
+            v = torch.tensor_split(vals[x], n_parts, dim)[k]
+        elif name in parts:
             t = parts[name]
             n = programs.nodes[t.head]
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: vals[a.name])
@@ -255,15 +264,36 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
             reduces.append((ops, post.post(d, [x for x in needs if x])) if ops else ((), ()))
         recv_before.append(tuple(recvs))
         reduce_before.append(tuple(reduces))
-    final, keep = _final(low, programs, where, post)
+    final, keep, chunks, merge = _final(low, programs, where, post)
     values = list(dict.fromkeys(v for m in post.messages for v in m.values))
-    shapes = _shapes(programs, [name for _, name in values], low)
+    info = {c[1]: (c[0], *c[2:]) for cs in chunks for c in cs}
+    shapes = _shapes(programs, [name for _, name in values], low, info)
     bad = [name for _, name in values if shapes.get(name) is None]
     if bad:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
     return Wiring(tuple(post.messages), tuple(recv_before), tuple(reduce_before),
                   tuple(tuple(tuple(x) for x in segs) for segs in post.send_after), tuple(final), keep,
-                  {(k, name): shapes[name] for k, name in values})
+                  {(k, name): shapes[name] for k, name in values}, chunks, merge)
+
+
+def _partial_writes(low: Lowered, programs: Programs) -> dict[str, list[tuple[int, int, int, int]]]:
+    """Buffers that replica 0's split parts write in place (batch norm split by channel updates a slice of the
+    running statistics on each part's rank): buffer -> [(rank, dim, part k, parts)]."""
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
+    vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
+    for d, segs in enumerate(programs.devices):
+        for seg in segs:
+            for t in seg.tasks:
+                if t.kind != PART or t.replica != 0:
+                    continue
+                n = programs.nodes[t.head]
+                dims = slice_dims(rule(n.target, t.part[0]), [vals[a.name] if isinstance(a, torch.fx.Node) else a
+                                                               for a in n.args])
+                pos = {a.name: i for i, a in enumerate(n.args) if isinstance(a, torch.fx.Node)}
+                for x in written_placeholders(n):
+                    if dims[pos[x]] is not None:
+                        out.setdefault(x, []).append((d, dims[pos[x]], t.part[1], t.part[2]))
+    return out
 
 
 def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
@@ -277,8 +307,9 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     states = ph[n + n_buf:n + n_buf + len(out) - 1 - 2 * n]
     new = dict(zip(params, out[1 + n:1 + 2 * n])) | dict(zip(states, out[1 + 2 * n:]))
     nodes = programs.nodes
+    partial = _partial_writes(low, programs)
     for x, d in programs.writeback:  # a buffer's new value is its placeholder, written in place by replica 0
-        if x in buffers:
+        if x in buffers and x not in partial:
             new[x] = x
             where[0, x] = d
     # Tasks read a parameter itself or through a view of it made before the step (the prelude).
@@ -286,7 +317,7 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     for name in low.prelude:
         base = nodes[name].all_input_nodes[0].name
         root[name] = root.get(base, base)
-    readers: dict[str, set[int]] = {x: {0} for x in new}
+    readers: dict[str, set[int]] = {x: {0} for x in [*new, *partial]}
     for d, segs in enumerate(programs.devices):
         for seg in segs:
             for name in _reads(low, programs, seg):
@@ -301,9 +332,20 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
             k = own[0] if own and x not in buffers else 0
             keep[d][x] = (k, value)
             needs[d].append(post.need(k, value, d))
+    chunks: list[list[tuple]] = [[] for _ in range(n_dev)]
+    merge: list[list[tuple]] = [[] for _ in range(n_dev)]
+    for x, pieces in partial.items():  # each rank gets the slices the others wrote
+        for d, dim, k, parts in pieces:
+            piece = (x, f"{x}@{k}", dim, k, parts)
+            chunks[d].append(piece)
+            where[0, piece[1]] = d
+            for r in sorted(readers[x]):
+                if r != d:
+                    needs[r].append(post.need(0, piece[1], r))
+                    merge[r].append(piece)
     needs[0] += [post.need(k, out[0], 0) for k in range(low.replicas)]
     final = [m for d in range(n_dev) for m in post.post(d, [x for x in needs[d] if x], at_end=True)]
-    return final, tuple(keep)
+    return final, tuple(keep), tuple(map(tuple, chunks)), tuple(map(tuple, merge))
 
 
 class _RankRun(_Run):
@@ -367,6 +409,8 @@ class _RankRun(_Run):
                 name = (self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name
                 raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
             self.send(self.wiring.send_after[d][i])
+        for x, name, dim, k, parts in self.wiring.chunks[d]:
+            self.envs[0][name] = torch.tensor_split(self.envs[0][x], parts, dim)[k]
         mine = [i for i in self.wiring.final if self.wiring.messages[i].src == d]
         self.send(mine)
         self.receive([i for i in self.wiring.final if self.wiring.messages[i].dst == d])
@@ -389,14 +433,14 @@ class DistributedStep:
     batch; the loss comes back on rank 0, None elsewhere). Rank 0's model and optimizer are the truth after every
     step; other ranks keep what their devices read."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed, wiring: Wiring,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed, wiring: Wiring,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.model, self.optimizer, self.placed, self.wiring = model, optimizer, placed, wiring
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
 
     @property
-    def strategy(self):
+    def strategy(self) -> Strategy:
         return self.placed.strategy
 
     @property
@@ -404,20 +448,11 @@ class DistributedStep:
         return self.placed.simulated_s
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
-        from ..capture import bind
-
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         r = low.replicas
-        if batch[0].shape[0] % r:
-            raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
-        b = batch[0].shape[0] // r
-        envs = []
-        for k in range(r):
-            own = list(buffers) if k == 0 else [x.clone() for x in buffers]
-            flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
-            envs.append(dict(zip(programs.placeholders, flat)))
+        envs = replica_envs(low, programs, params, buffers, states, batch)
         run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout)
         with torch.no_grad():
             for env in envs:
@@ -431,6 +466,8 @@ class DistributedStep:
                                                lost_peer=isinstance(e, LostPeer))) from e
         keep = self.wiring.keep[self.rank]
         named = dict(zip(programs.placeholders, [*params, *buffers, *(s for ss in states for s in ss)]))
+        for x, name, dim, k, parts in self.wiring.merge[self.rank]:
+            torch.tensor_split(named[x], parts, dim)[k].copy_(envs[0][name])
         for x, (k, value) in keep.items():
             new = envs[k][value]
             target = named[x]
@@ -463,19 +500,28 @@ def record_failure(message: str, lost_peer: bool = False) -> str:
 HEARTBEAT_S = 0.5
 
 
-def start_heartbeat() -> None:
-    """Count this rank's heartbeats in the store, from a daemon thread: a rank that dies stops counting."""
+def start_heartbeat() -> Callable[[], None]:
+    """Count this rank's heartbeats in the store, from a thread: a rank that dies stops counting. Returns the
+    function that stops it (call it before the process group is destroyed)."""
     store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(f"fastt/heartbeat/{rank}", 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
-            time.sleep(HEARTBEAT_S)
+            stop.wait(HEARTBEAT_S)
 
-    threading.Thread(target=beat, daemon=True, name="fastt-heartbeat").start()
+    thread = threading.Thread(target=beat, daemon=True, name="fastt-heartbeat")
+    thread.start()
+
+    def halt() -> None:
+        stop.set()
+        thread.join()
+
+    return halt
 
 
 def silent_ranks(store, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:

@@ -370,13 +370,10 @@ class _Run:
                 return
 
 
-def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
-             buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
-             threads_per_device: int = 1,
-             timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
-    state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of every
-    segment run (on CUDA the segment's GPU time)."""
+def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                 states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor]) -> list[dict]:
+    """Each replica's table of values, holding the step's inputs: the parameters, its own batch-norm buffers
+    (replica 0's are the model's, the others' copies of them) and optimizer state, and its share of the batch."""
     r = low.replicas
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
@@ -386,6 +383,18 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
         own = list(buffers) if k == 0 else [x.clone() for x in buffers]
         flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
         envs.append(dict(zip(programs.placeholders, flat)))
+    return envs
+
+
+def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
+             buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
+             threads_per_device: int = 1,
+             timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
+    state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of every
+    segment run (on CUDA the segment's GPU time)."""
+    r = low.replicas
+    envs = replica_envs(low, programs, params, buffers, states, batch)
     run = _Run(low, programs, envs, threads_per_device, timings)
     with torch.no_grad():
         for env in envs:
