@@ -533,22 +533,31 @@ def silent_ranks(store, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
     return [r for r, k, b in zip(ranks, keys, before) if b and store.add(k, 0) == b]
 
 
+def _hop(x: torch.Tensor, other: int, sending: bool) -> None:
+    """One message of x between this rank and `other`, the way the runtime sends one."""
+    leaf = [(x.shape, x.stride(), x.dtype)]
+    if sending:
+        dist.isend(_pack([(x, leaf[0])]), other).wait()
+    else:
+        buf = torch.empty(_packed_size(leaf), dtype=torch.uint8)
+        dist.irecv(buf, other).wait()
+        _unpack(buf, leaf)
+
+
 def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
                  repeats: int = 5) -> tuple[list[int], list[float]]:
-    """Seconds to send each size from rank 0 to `peer` (half a ping-pong, median of repeats); rank 0 and `peer`
-    call it together, other ranks do not."""
+    """Seconds a message of each size takes from rank 0 to `peer` the way the runtime sends one (packed into a
+    buffer, `isend`, `irecv` into a fresh buffer, unpacked): half a ping-pong, median of repeats. Rank 0 and
+    `peer` call it together, other ranks do not."""
     rank, times = dist.get_rank(), []
+    other = peer if rank == 0 else 0
     for n in sizes:
-        buf = torch.zeros(n // 4)
+        x = torch.rand(n // 4)
         ts = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            _hop(x, other, rank == 0)
+            _hop(x, other, rank != 0)
             ts.append((time.perf_counter() - t0) / 2)
         times.append(statistics.median(ts[1:]))
     return list(sizes), times
