@@ -77,6 +77,11 @@ def render(data: dict) -> str:
     if link:
         lines += ["", (f"Fitted gloo link (rank 0 to rank 1, least squares over 4 KiB to 16 MiB): latency "
                       f"{link['latency_s'] * 1e6:.0f} µs, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s.")]
+    lines += ["", ("What the simulator misses here: a rank packs, sends and receives in its compute thread, so "
+                   "it cannot compute while it waits for a message, and the gloo threads share the two cores with "
+                   "compute. Plans with many hand-offs between the ranks (the model-parallel plans `fastt` picks for "
+                   "some models) are simulated far too fast, and the planner prefers them; the distributed runtime has "
+                   "no tuning loop yet to measure them and roll them back.")]
     return "\n".join(lines) + "\n"
 
 

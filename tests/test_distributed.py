@@ -7,6 +7,7 @@ few steps, so CI stays short (4 ranks on 2 cores are oversubscribed: correct, sl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+
+import fastt
+from fastt import zoo
+from fastt.plan.common import strategy_from
+from fastt.split import split
+from fastt.strategy import Split
 
 FULL = os.environ.get("FASTT_DISTRIBUTED") == "full"
 STEPS = 50 if FULL else 4
@@ -109,3 +116,18 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
         assert p.returncode == 0
     out = json.loads((tmp_path / "out0.json").read_text())
     assert out["nodes"] == 2 and "gloo-inter" in out["links"] and out["max_param_rel_diff"] <= 1e-5
+
+
+def test_batch_norm_split_by_channel_across_ranks(tmp_path: Path) -> None:
+    """Each rank updates its slice of the running statistics; every reader, rank 0 first, gets them whole."""
+    w = zoo.get("resnet50", "test", dropout=False)
+    g = dataclasses.replace(fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs), recapture=None)
+    splits = tuple(Split(op.name, "channel", 2) for op in g.ops if op.target == "aten.native_batch_norm.default")
+    for sp in splits:
+        g = split(g, sp.op, sp.dim, sp.parts)
+    s = strategy_from(g, "forced", 2, [op.split[1] if op.split else 0 for op in g.ops])
+    dataclasses.replace(s, splits=splits).save(tmp_path / "plan.json")
+    rc, _, err = run(2, "--model", "resnet50", "--planners", "fastt", "--strategy", str(tmp_path / "plan.json"),
+                     "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-5

@@ -38,9 +38,9 @@ from ..cluster import Cluster, Link, cpu_cluster
 from ..cost import calibrate_cpu, fit_transfers
 from ..errors import FasttError
 from ..lower import JOIN, PART, Lowered
-from ..split import rule, run_part, slice_dims
+from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, _Run, replica_envs, written_placeholders
+from .local import Placed, Programs, _Run, replica_envs
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
@@ -276,26 +276,6 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                   {(k, name): shapes[name] for k, name in values}, chunks, merge)
 
 
-def _partial_writes(low: Lowered, programs: Programs) -> dict[str, list[tuple[int, int, int, int]]]:
-    """Buffers that replica 0's split parts write in place (batch norm split by channel updates a slice of the
-    running statistics on each part's rank): buffer -> [(rank, dim, part k, parts)]."""
-    out: dict[str, list[tuple[int, int, int, int]]] = {}
-    vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
-    for d, segs in enumerate(programs.devices):
-        for seg in segs:
-            for t in seg.tasks:
-                if t.kind != PART or t.replica != 0:
-                    continue
-                n = programs.nodes[t.head]
-                dims = slice_dims(rule(n.target, t.part[0]), [vals[a.name] if isinstance(a, torch.fx.Node) else a
-                                                               for a in n.args])
-                pos = {a.name: i for i, a in enumerate(n.args) if isinstance(a, torch.fx.Node)}
-                for x in written_placeholders(n):
-                    if dims[pos[x]] is not None:
-                        out.setdefault(x, []).append((d, dims[pos[x]], t.part[1], t.part[2]))
-    return out
-
-
 def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     """End-of-step messages: the new state to the ranks that read it next step (and rank 0), the losses to rank 0.
     Returns (message indices, per rank {placeholder: (replica, value name)} it keeps from its own replicas)."""
@@ -307,8 +287,12 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     states = ph[n + n_buf:n + n_buf + len(out) - 1 - 2 * n]
     new = dict(zip(params, out[1 + n:1 + 2 * n])) | dict(zip(states, out[1 + 2 * n:]))
     nodes = programs.nodes
-    partial = _partial_writes(low, programs)
-    for x, d in programs.writeback:  # a buffer's new value is its placeholder, written in place by replica 0
+    # A buffer's new value is its placeholder, written in place by replica 0, whole or slice by slice.
+    partial: dict[str, list[tuple[int, int, int, int]]] = {}
+    for x, d, region in programs.writeback:
+        if region is not None:
+            partial.setdefault(x, []).append((d, *region))
+    for x, d, region in programs.writeback:
         if x in buffers and x not in partial:
             new[x] = x
             where[0, x] = d

@@ -37,7 +37,7 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import JOIN, PART, RUN, Lowered, Task, lower
-from ..split import join, rule, run_part
+from ..split import join, rule, run_part, slice_dims
 from ..strategy import Strategy
 
 
@@ -94,12 +94,26 @@ def written_placeholders(n: fx.Node) -> list[str]:
     return [v.name for v in written if isinstance(v, fx.Node) and v.op == "placeholder"]
 
 
+def _writes(t: Task, d: int, nodes: dict[str, fx.Node]) -> list[tuple[str, int, tuple[int, int, int] | None]]:
+    """What task t on device d writes in place: (placeholder, d, None) for a whole tensor, (placeholder, d, (dim,
+    k, parts)) for the slice that part k of a split op writes (batch norm split by channel)."""
+    if t.kind != PART:
+        return [(x, d, None) for name in t.nodes for x in written_placeholders(nodes[name])]
+    n = nodes[t.head]
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+    dims = slice_dims(rule(n.target, t.part[0]), vals)
+    pos = {a.name: i for i, a in enumerate(n.args) if isinstance(a, fx.Node)}
+    return [(x, d, None if dims[pos[x]] is None else (dims[pos[x]], t.part[1], t.part[2]))
+            for x in written_placeholders(n)]
+
+
 @dataclass(frozen=True)
 class Programs:
     """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for;
     the step's nodes by name, its placeholders and its outputs (names), looked up once. `targets[d]` is the torch
     device device d runs on, `streams[d]` its CUDA stream (CUDA only); `writeback` the placeholders (batch-norm
-    buffers) that replica 0 updates in place, with the device that does it."""
+    buffers) that replica 0 updates in place: (name, device, region), the region being None for the whole tensor
+    or (dim, k, parts) for the slice a split op's part k updates."""
 
     devices: tuple[tuple[Segment, ...], ...]
     signals: frozenset[int]
@@ -108,7 +122,7 @@ class Programs:
     outputs: tuple[str, ...]
     targets: tuple[torch.device, ...]
     streams: tuple = ()
-    writeback: tuple[tuple[str, int], ...] = ()
+    writeback: tuple[tuple[str, int, tuple[int, int, int] | None], ...] = ()
     copy_streams: dict = field(default_factory=dict)  # (device, source GPU) -> stream copying to the device
 
     @property
@@ -167,9 +181,8 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
     placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
     outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
-    # Buffers are updated in place: on another GPU that updates the device's copy.
-    writeback = tuple((x, d) for d, program in enumerate(low.programs) for t in program if t.replica == 0
-                      for name in t.nodes for x in written_placeholders(nodes[name]))
+    writeback = tuple(w for d, program in enumerate(low.programs) for t in program if t.replica == 0
+                      for w in _writes(t, d, nodes))
     return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
                     _streams(targets) if targets[0].type == "cuda" else (), writeback)
 
@@ -422,9 +435,13 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
         timings[:] = [(seg, d, t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3)
                       for seg, d, t in timings]
     home = params[0].device if params else programs.targets[0]
-    for name, d in programs.writeback:  # a buffer replica 0 updated on another GPU
+    for name, d, region in programs.writeback:  # a buffer replica 0 updated on another GPU
         if (0, name, d) in run.moved:
-            envs[0][name].copy_(run.moved[0, name, d][1])
+            whole, written = envs[0][name], run.moved[0, name, d][1]
+            if region is not None:
+                dim, k, parts = region
+                whole, written = (torch.tensor_split(x, parts, dim)[k] for x in (whole, written))
+            whole.copy_(written)
     out, n = programs.outputs, len(low.step.param_names)
     loss = sum(env[out[0]].to(home) for env in envs) / r
     new_params = [envs[0][x].to(home) for x in out[1 + n:1 + 2 * n]]
