@@ -37,10 +37,10 @@ from ..capture import bind
 from ..cluster import Cluster, Link, cpu_cluster
 from ..cost import calibrate_cpu, fit_transfers
 from ..errors import FasttError
-from ..lower import JOIN, PART, Lowered
+from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, _Run, replica_envs
+from .local import Placed, Programs, Segment, _Run, replica_envs
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
@@ -116,7 +116,7 @@ class _Post:
         return tuple(out)
 
 
-def _produced(t) -> tuple[str, ...]:
+def _produced(t: Task) -> tuple[str, ...]:
     """The values a task writes into its replica's table."""
     if t.kind == PART:
         return (f"{t.head}#{t.part[1]}",)
@@ -125,7 +125,7 @@ def _produced(t) -> tuple[str, ...]:
     return t.nodes
 
 
-def _reads(low: Lowered, programs: Programs, seg) -> list[str]:
+def _reads(low: Lowered, programs: Programs, seg: Segment) -> list[str]:
     """The values a segment reads from its replica's table."""
     if seg.fn is not None:
         return list(seg.inputs)
