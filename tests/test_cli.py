@@ -234,3 +234,13 @@ def test_compare_across_nodes_reports_inter_node_traffic(tmp_path: Path) -> None
     one_node = json.loads(ok(fastt("compare", "--model", "transformer", "--cluster", "8xV100", "--planners", "dp",
                                    "--json", cwd=tmp_path)).stdout)["results"][0]
     assert one_node["inter_node_bytes"] == 0
+
+
+def test_run_with_torchrun_launches_one_process_per_device(tmp_path: Path) -> None:
+    r = ok(fastt("run", "--model", "mlp", "--devices", "cpu:2", "--launcher", "torchrun", "--planners", "dp,eager",
+                 "--steps", "3", "--check", "--json", cwd=tmp_path))
+    out = json.loads(r.stdout)
+    assert out["devices"] == "gloo:2" and out["launcher"] == "torchrun"
+    assert [x["planner"] for x in out["results"]] == ["dp", "eager"] and out["max_param_rel_diff"] == 0.0
+    bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--launcher", "torchrun", cwd=tmp_path)
+    assert bad.returncode == 2 and "--launcher torchrun runs cpu:N" in bad.stderr
