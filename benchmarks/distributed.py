@@ -47,6 +47,13 @@ def rows_of(out: dict) -> dict:
             "dp_over_one_process": one / t["dp"]["measured_iteration_s"]}
 
 
+def _trial(r: dict) -> str:
+    t = r.get("trial")
+    if not t:
+        return ""
+    return f"; its own plan {t['fastt_plan_s'] * 1e3:.0f} ms vs DP {t['dp_s'] * 1e3:.0f} ms in the trial: kept {t['kept']}"
+
+
 def render(data: dict) -> str:
     rows = data["rows"]
     errs = [abs(r["error"]) for row in rows for r in row["results"] if r["error"] is not None]
@@ -63,7 +70,7 @@ def render(data: dict) -> str:
         ms = {p: t[p]["measured_iteration_s"] * 1e3 for p in t}
         lines.append(f"| {row['model']} | {ms['fastt']:.1f} | {ms['dp']:.1f} | {ms['single']:.1f} | "
                      f"{ms['eager']:.1f} | {row['fastt_over_one_process']:.2f}x | {row['dp_over_one_process']:.2f}x "
-                     f"| {t['fastt']['replicas']} replica(s), {t['fastt']['splits']} split(s) |")
+                     f"| {t['fastt']['replicas']} replica(s), {t['fastt']['splits']} split(s){_trial(t['fastt'])} |")
     lines += ["", "## Simulated vs measured", "",
               (f"Median |error| over {len(errs)} runs: **{statistics.median(errs) * 100:.0f}%** "
               "(error = (simulated - measured) / measured)."), "",
@@ -80,8 +87,9 @@ def render(data: dict) -> str:
     lines += ["", ("What the simulator misses here: a rank packs, sends and receives in its compute thread, so "
                    "it cannot compute while it waits for a message, and the gloo threads share the two cores with "
                    "compute. Plans with many hand-offs between the ranks (the model-parallel plans `fastt` picks for "
-                   "some models) are simulated far too fast, and the planner prefers them; the distributed runtime has "
-                   "no tuning loop yet to measure them and roll them back.")]
+                   "some models) are simulated far too fast, and the planner prefers them. Before training, `fastt` races its "
+                   "plan against data parallelism for a few steps and keeps the faster (FastT's rule); there is no "
+                   "tuning loop during training yet.")]
     return "\n".join(lines) + "\n"
 
 

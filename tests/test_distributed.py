@@ -67,6 +67,8 @@ def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) 
     assert rc == 0, err[-3000:]
     res = results(tmp_path / "out.json")
     assert res["dp"]["replicas"] == ranks and res["dp"]["splits"] == res["dpos"]["splits"] == 0
+    trial = res["fastt"]["trial"]  # fastt's plan raced data parallelism, and the faster one was kept
+    assert trial is None or (trial["kept"] == "dp") == (trial["dp_s"] < trial["fastt_plan_s"])
     for planner, r in res.items():
         diff = r["max_step_rel_diff"] if r["splits"] else r["max_param_rel_diff"]
         assert diff <= 1e-5, (planner, r["splits"], r)

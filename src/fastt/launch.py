@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> dict | None:
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits), "tuning": None})
+                        "splits": len(step.strategy.splits), "tuning": None, "trial": step.trial})
         if step_diffs:
             results[-1]["max_step_rel_diff"] = max(step_diffs)
             worst = max(worst, max(step_diffs))

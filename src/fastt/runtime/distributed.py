@@ -19,6 +19,7 @@ and ranks count heartbeats in the store, so a rank that loses a connection names
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import os
@@ -422,6 +423,7 @@ class DistributedStep:
         self.model, self.optimizer, self.placed, self.wiring = model, optimizer, placed, wiring
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
+        self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
 
     @property
     def strategy(self) -> Strategy:
@@ -582,18 +584,21 @@ def gloo_cluster() -> Cluster:
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
                             example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
                             strategy: Strategy | None = None, cl: Cluster | None = None,
-                            timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedStep:
+                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3) -> DistributedStep:
     """`parallelize` over an initialized gloo process group, one device per rank: every rank calls it with the
     same model, optimizer and inputs. Every rank captures the step and measures its op times (at once, so they
-    include what the ranks cost each other); rank 0 plans and sends the plan to all."""
-    from ..api import capture, plan
+    include what the ranks cost each other); rank 0 plans and sends the plan to all.
+
+    The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both run
+    `trial_steps` steps on copies of the model and optimizer first (0: no trial). `step.trial` has the times."""
+    from ..api import capture, plan, simulate
     from . import measure_step
-    from .local import place
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cl = cl or gloo_cluster()
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
     threads = torch.get_num_threads()
+    planned = strategy is None and planner == "fastt"
     if strategy is None and planner != "fastt":
         strategy = plan(graph, cl, planner)
     batches = ([graph.batch // strategy.replicas] if strategy is not None else
@@ -604,11 +609,43 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
+    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s)
+    if planned and trial_steps and world > 1 and graph.batch % world == 0:
+        dp = plan(graph, cl, "dp")
+        same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
+        if not same and simulate(graph, dp, cl, costs).fits:
+            rival = _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s)
+            times = [_trial(s, example_inputs, trial_steps) for s in (step, rival)]
+            step = step if times[0] <= times[1] else rival
+            step.trial = {"fastt_plan_s": times[0], "dp_s": times[1], "kept": step.strategy.planner}
+    return step
+
+
+def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float):
+    """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
+    from .local import place
+
     placed = place(graph, strategy, cl, costs)
     wiring = wire(placed.lowered, placed.programs)
-    digest = hashlib.sha1(repr(wiring.messages).encode()).hexdigest()
-    digests: list = [None] * world
-    dist.all_gather_object(digests, digest)
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha1(repr(wiring.messages).encode()).hexdigest())
     if len(set(digests)) != 1:
         raise FasttError("the ranks compiled different programs: do all ranks build the same model and inputs?")
     return DistributedStep(model, optimizer, placed, wiring, timeout_s)
+
+
+def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> float:
+    """Median seconds of `steps` steps (after one warm-up) of `step`'s plan on copies of the model and optimizer,
+    timed on rank 0 between barriers; every rank gets rank 0's time."""
+    model, optimizer = copy.deepcopy((step.model, step.optimizer))
+    trial = DistributedStep(model, optimizer, step.placed, step.wiring, step.timeout.total_seconds())
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trial(*batch)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    box = [statistics.median(times[1:])]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
