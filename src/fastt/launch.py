@@ -44,7 +44,7 @@ def _fault(rank: int, step: int) -> None:
 def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
     from .cli import load_workload
-    from .runtime.bench import _check
+    from .runtime.bench import check_against_eager
     from .runtime.distributed import gloo_cluster, parallelize_distributed
     from .runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
 
@@ -96,7 +96,7 @@ def train(args: argparse.Namespace) -> dict | None:
             results[-1]["max_step_rel_diff"] = max(step_diffs)
             worst = max(worst, max(step_diffs))
         if args.check and rank == 0:
-            diff = _check(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
+            diff = check_against_eager(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
                           torch.get_num_threads(), model)
             results[-1]["max_param_rel_diff"] = diff
             worst = max(worst, diff)

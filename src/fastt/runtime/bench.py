@@ -71,13 +71,15 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                         "splits": len(step.strategy.splits),
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
         if check:
-            worst = max(worst, _check(make, home, initial, batches, replicas, step.threads_per_device, model))
+            worst = max(worst, check_against_eager(make, home, initial, batches, replicas, step.threads_per_device, model))
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None}
 
 
-def _check(make: Callable[[], Workload], home: str, initial: dict, batches: list, replicas: list[int],
-           threads: int, trained: torch.nn.Module) -> float:
+def check_against_eager(make: Callable[[], Workload], home: str, initial: dict, batches: list,
+                        replicas: list[int], threads: int, trained: torch.nn.Module) -> float:
+    """Train a fresh copy from `initial` on `batches` in eager mode (eager data parallelism where a step had
+    several replicas) with `threads` threads; the largest relative difference from `trained`."""
     _, model, loss_fn, opt, _ = _placed(make, home)
     model.load_state_dict(initial)
     old = torch.get_num_threads()
