@@ -368,12 +368,7 @@ class _RankRun(_Run):
 
     def reduce(self, ops: Sequence[int]) -> None:
         names = [name for a in ops for name in self.low.allreduces[a]]
-        total = [self.envs[0][name] for name in names]
-        for env in self.envs[1:]:
-            total = torch._foreach_add(total, [env[name] for name in names])
-        torch._foreach_div_(total, float(len(self.envs)))
-        for env in self.envs:
-            env.update(zip(names, total))
+        self.average(names, [[env[name] for name in names] for env in self.envs])
 
     def run(self) -> None:
         d = self.rank

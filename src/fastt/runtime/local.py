@@ -293,16 +293,20 @@ class _Run:
             return False
         names = [name for a in ops for name in self.low.allreduces[a]]
         grads = [[self.get(k, name, d) for name in names] for k in range(len(self.envs))]
+        self.average(names, grads)
+        if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
+            self.held += grads
+        self.finished(ops, d)
+        return True
+
+    def average(self, names: Sequence[str], grads: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Every replica's `names` become the mean of `grads` (one list per replica), summed in replica order."""
         total = grads[0]
         for other in grads[1:]:
             total = torch._foreach_add(total, other)
         torch._foreach_div_(total, float(len(self.envs)))
-        if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
-            self.held += grads
         for env in self.envs:
             env.update(zip(names, total))
-        self.finished(ops, d)
-        return True
 
     def call(self, name: str, env: dict) -> None:
         n = self.nodes[name]
