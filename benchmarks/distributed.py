@@ -41,7 +41,8 @@ def run(model: str, batch: int | None, steps: int, ranks: int = 2) -> dict:
 def rows_of(out: dict) -> dict:
     t = {r["planner"]: r for r in out["results"]}
     one = t["eager"]["measured_iteration_s"]
-    return {"model": out["model"], "devices": out["devices"], "links": out["links"], "steps": out["steps"],
+    return {"model": out["model"], "devices": out["devices"], "links": out["links"],
+            "gather": out.get("gather", {}), "steps": out["steps"],
             "results": out["results"],
             "fastt_over_one_process": one / t["fastt"]["measured_iteration_s"],
             "dp_over_one_process": one / t["dp"]["measured_iteration_s"]}
@@ -80,16 +81,27 @@ def render(data: dict) -> str:
             if r["error"] is not None:
                 lines.append(f"| {row['model']} | {r['planner']} | {r['measured_iteration_s'] * 1e3:.1f} | "
                              f"{r['simulated_iteration_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}% |")
-    link = rows[0]["links"].get("gloo-intra", {})
+    link, gather = rows[0]["links"].get("gloo-intra", {}), rows[0].get("gather", {})
     if link:
-        lines += ["", (f"Fitted gloo link (rank 0 to rank 1, least squares over 4 KiB to 16 MiB): latency "
-                      f"{link['latency_s'] * 1e6:.0f} µs, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s.")]
-    lines += ["", ("What the simulator misses here: a rank packs, sends and receives in its compute thread, so "
-                   "it cannot compute while it waits for a message, and the gloo threads share the two cores with "
-                   "compute. Plans with many hand-offs between the ranks (the model-parallel plans `fastt` picks for "
-                   "some models) are simulated far too fast, and the planner prefers them. Before training, `fastt` races its "
-                   "plan against data parallelism for a few steps and keeps the faster (FastT's rule); there is no "
-                   "tuning loop during training yet.")]
+        lines += ["", (f"Fitted gloo link (rank 0 to rank 1, least squares on relative errors over 4 KiB to 16 MiB, "
+                       f"one way): latency {link['latency_s'] * 1e6:.0f} µs, bandwidth {link['bandwidth'] / 1e9:.2f} "
+                       "GB/s. Both ranks share it (loopback TCP runs on the cores that compute).")]
+    if gather:
+        lines += ["", (f"Fitted gather (both ranks averaging k tensors at once, the runtime's pack, isend, irecv, "
+                       f"unpack and mean; least squares): {gather['latency_s'] * 1e6:.0f} µs + "
+                       f"{gather['s_per_byte'] * 1e9:.2f} ns per byte + {gather['s_per_tensor'] * 1e6:.1f} µs per "
+                       "tensor.")]
+    lines += ["", ("The gather's cost per byte grows with the size of the exchange (4 MiB: 2.5–7 ms, 16 MiB: "
+                   "33–37 ms when measured alone), so one straight line is too slow for some sizes and too fast "
+                   "for others: mlp's errors."),
+              "", ("How the simulator models this runtime: what a segment hands to another rank leaves when the "
+                   "segment ends, in one message; the gradients of one segment are averaged together, at the fitted "
+                   "gather's cost; the ranks of a node share one link. What it still misses: the step's Python work "
+                   "outside the segments (binding parameters, the replicas' tables, writing the new state back), "
+                   "and compute slowed by the gloo threads on the same cores. The planner itself plans with "
+                   "per-op sends and a per-gradient allreduce, so model-parallel plans with many hand-offs "
+                   "can look faster to it than they run; before training, `fastt` races its plan against data parallelism for a few steps and keeps the faster (FastT's "
+                   "rule). There is no tuning loop during distributed training yet.")]
     return "\n".join(lines) + "\n"
 
 

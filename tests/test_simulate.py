@@ -148,6 +148,69 @@ def test_allreduce_takes_the_ring_time(n: int) -> None:
     assert tl.transfers == ()  # every replica holds w, and reads the aggregate where it was reduced
 
 
+def two_gradient_step(n: int) -> tuple[OpGraph, Strategy]:
+    """Each replica computes gradients g1 then g2 (1 s each) of two parameters, then updates both (0.5 s each)."""
+    b = Builder()
+    b.add("w1", PARAM, out=3000)
+    b.add("w2", PARAM, out=1000)
+    b.add("x", INPUT, out=10)
+    b.add("g1", inputs={"w1": 3000, "x": 10}, out=3000)
+    b.add("g2", inputs={"w2": 1000, "g1": 3000}, out=1000)
+    b.add("u1", UPDATE, inputs={"w1": 3000, "g1": 3000}, updates=("w1",))
+    b.add("u2", UPDATE, inputs={"w2": 1000, "g2": 1000}, updates=("w2",))
+    g = replicate(b.graph(), n)
+    placement = {op.name: int(op.name[1:op.name.index("/")]) for op in g.ops
+                 if op.kind not in RESIDENT and op.kind != ALLREDUCE}
+    return g, plan(g, n, placement, holders={"w1": tuple(range(n)), "w2": tuple(range(n))})
+
+
+def test_released_gradients_are_reduced_together_after_their_segment() -> None:
+    """Without `release` g1's allreduce overlaps g2; released with g2 (one segment), both go as one, after it."""
+    n, lat = 2, 0.1
+    g, strategy = two_gradient_step(n)
+    per = {f"r{k}/{x}": t for k in range(n) for x, t in (("g1", 1.0), ("g2", 1.0), ("u1", 0.5), ("u2", 0.5))}
+    times, cl = seconds(g, n, per), mesh(n, bw=1000, lat=lat)
+    ring = [2 * (n - 1) / n * b / 1000 + 2 * (n - 1) * lat for b in (3000, 1000, 4000)]
+    apart = simulate(g, strategy, cl, times)
+    assert [(c.start, c.end) for c in apart.collectives] == [(1.0, pytest.approx(1 + ring[0])),
+                                                             (pytest.approx(1 + ring[0]),
+                                                              pytest.approx(1 + ring[0] + ring[1]))]
+    release = {f"r{k}/g1": f"r{k}/g2" for k in range(n)}
+    together = simulate(g, strategy, cl, times, release=release)
+    (c,) = together.collectives
+    assert sorted(g.ops[a].name for a in c.ops) == ["allreduce/g1->u1", "allreduce/g2->u2"]
+    assert (c.start, c.end, c.nbytes) == (2.0, pytest.approx(2 + ring[2]), 4000)  # one latency for both
+    assert together.iteration_s == pytest.approx(2 + ring[2] + 1.0)
+    # A local reader does not wait for the release: g2 reads g1 at its end.
+    assert at(together, g, "r0/g2") == (1.0, 2.0)
+
+
+def test_release_sends_a_transfer_at_the_end_of_its_segment() -> None:
+    b = Builder()
+    b.add("a")
+    b.add("b", inputs={"a": 100})
+    b.add("c", inputs={"a": 100})
+    g = b.graph()
+    s = plan(g, 2, {"a": 0, "b": 0, "c": 1})
+    tl = simulate(g, s, mesh(2, bw=100), seconds(g, 2, {"a": 1, "b": 2, "c": 1}), release={"a": "b"})
+    assert at(tl, g, "c") == (4.0, 5.0)  # a's output leaves with b's end (3), then 1 s on the link
+    with pytest.raises(FasttError, match="not placed on its device"):
+        simulate(g, s, mesh(2, bw=100), seconds(g, 2, {}), release={"a": "c"})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gather_allreduce_costs_what_the_cluster_fitted(n: int) -> None:
+    g, strategy = two_gradient_step(n)
+    cl = mesh(n, bw=1000, lat=0.1)
+    cl = Cluster(cl.name, cl.devices, cl.links, cl.routes, gather=(0.3, 1e-3, 0.25))
+    per = {f"r{k}/{x}": 1.0 for k in range(n) for x in ("g1", "g2")}
+    release = {f"r{k}/g1": f"r{k}/g2" for k in range(n)}
+    tl = simulate(g, strategy, cl, seconds(g, n, per), release=release)
+    (c,) = tl.collectives
+    assert c.end - c.start == pytest.approx(0.3 + (n - 1) * (4000 * 1e-3 + 2 * 0.25))
+    assert len(c.links) == n * (n - 1)  # every device receives from every other
+
+
 def test_resident_read_by_a_non_holder_comes_from_the_fastest_holder() -> None:
     b = Builder()
     b.add("w", PARAM, out=500)
@@ -267,7 +330,7 @@ def check_dependencies(g: OpGraph, s: Strategy, cl: Cluster, tl: Timeline) -> No
     """Every op starts only once each input is on its device (locally, by transfer, or by allreduce)."""
     arrivals = {(t.op, t.dst): t for t in tl.transfers}
     assert len(arrivals) == len(tl.transfers)  # one transfer per (op, receiving device)
-    groups = {c.op: c.group for c in tl.collectives}
+    groups = {a: c.group for c in tl.collectives for a in c.ops}
     holders = {g.index[k]: v for k, v in s.holders.items()}
     for t in tl.transfers:
         src_has = holders.get(t.op) or groups.get(t.op) or (int(tl.device[t.op]),)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import random
 
+import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_runtime import one_thread_per_device, pair, random_topological_rank  # noqa: F401 - fixture
@@ -17,7 +19,7 @@ from fastt.cluster import cluster
 from fastt.cost import MeasuredCosts
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
-from fastt.runtime.distributed import _reads, wire
+from fastt.runtime.distributed import GATHER_SHAPES, _pack, _packed_size, _reads, _unpack, fit_gather, wire
 from fastt.runtime.local import place
 
 
@@ -79,3 +81,29 @@ def test_a_one_device_plan_sends_nothing() -> None:
     placed = place(g, fastt.plan(g, "cpu:2", "single"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
     w = wire(placed.lowered, placed.programs)
     assert not w.messages and not w.final
+
+
+def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
+    """A message buffer round-trips tensors of several dtypes and layouts; dense ones come back as views of it
+    with the captured strides (a transposed one stays transposed), others contiguous in their captured shape."""
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 5), torch.randn(4, 6).t(), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(4, 6)[:, :3],
+          None, torch.empty(0), torch.tensor([1, 2, 3]), torch.tensor([True, False, True]), torch.randn(7).double()]
+    leaves = [None if x is None else (x.shape, x.stride(), x.dtype) for x in xs]
+    leaves[3] = (xs[3].shape, (3, 1), xs[3].dtype)  # captured contiguous, arrives as a slice: re-laid out
+    buf = _pack(list(zip(xs, leaves)))
+    assert buf.dtype == torch.uint8 and buf.numel() == _packed_size(leaves)
+    out = _unpack(buf, leaves)
+    for x, y, leaf in zip(xs, out, leaves):
+        if x is None:
+            assert y is None
+            continue
+        assert torch.equal(x, y) and y.dtype == x.dtype and y.stride() == tuple(leaf[1])
+        if x.numel():
+            assert y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_fit_gather_recovers_the_plane() -> None:
+    points = [(4 * k * f, k) for k, f in GATHER_SHAPES]
+    a, b, c = fit_gather(points, [2e-4 + 2e-9 * nbytes + 8e-6 * k for nbytes, k in points])
+    assert (a, b, c) == (pytest.approx(2e-4), pytest.approx(2e-9), pytest.approx(8e-6))

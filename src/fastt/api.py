@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -101,10 +101,12 @@ def lower_bound(graph: OpGraph, times: np.ndarray, n_devices: int) -> float:
 
 
 def simulate(graph: OpGraph, strategy: Strategy, cluster_spec: str | Cluster,
-             measured: MeasuredCosts | None = None) -> Timeline:
-    """Simulate `strategy` on the cluster: iteration time, memory per device, critical path, lower bound."""
+             measured: MeasuredCosts | None = None, release: Mapping[str, str] | None = None) -> Timeline:
+    """Simulate `strategy` on the cluster: iteration time, memory per device, critical path, lower bound.
+    `release`: when ops send their results off their device (`fastt.simulate.simulate`; the runtime passes its
+    segments')."""
     cl = cluster(cluster_spec)
     g = graph_for(graph, strategy)
     times = op_times(g, cl, measured)
     lb = lower_bound(graph, op_times(graph, cl, measured), len(cl.devices))
-    return _simulate(g, strategy, cl, times, lower_bound_s=lb)
+    return _simulate(g, strategy, cl, times, lower_bound_s=lb, release=release)

@@ -49,12 +49,18 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices, links, and for every ordered pair of distinct devices the links a transfer uses."""
+    """Devices, links, and for every ordered pair of distinct devices the links a transfer uses.
+
+    Gradients are averaged by a ring allreduce (NCCL's: the links move 2(n-1)/n of the bytes and reduce on the
+    way) unless `gather` is set: fastt's distributed runtime over gloo, where every device receives the other
+    n-1 gradients and sums them on its own cores. `gather` = (latency s, s per byte, s per gradient tensor) of
+    one exchange between two devices, fitted on measured ones; n devices take latency + (n-1)·(the rest)."""
 
     name: str
     devices: tuple[Device, ...]
     links: tuple[Link, ...] = ()
     routes: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    gather: tuple[float, float, float] | None = None
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -85,6 +91,8 @@ class Cluster:
         out: dict[str, Any] = {"name": self.name, "devices": [asdict(d) for d in self.devices], "links": links}
         if multi:
             out["routes"] = multi
+        if self.gather is not None:
+            out["gather"] = list(self.gather)
         return out
 
     def to_json(self) -> str:
@@ -369,7 +377,8 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?}. Each
     link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
     the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
-    pair of distinct devices must get exactly one route.
+    pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per byte, s per
+    tensor] (see Cluster).
     """
     def fail(msg: str) -> FasttError:
         return FasttError(f"{where}: {msg}")
@@ -423,4 +432,12 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     missing = [p for p in itertools.permutations(range(len(devices)), 2) if p not in routes]
     if missing:
         raise fail(f"no route for device pairs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    return Cluster(str(data.get("name", where)), devices, links, routes)
+    gather = data.get("gather")
+    if gather is not None:
+        try:
+            gather = tuple(float(x) for x in gather)
+        except (TypeError, ValueError):
+            gather = ()
+        if len(gather) != 3 or min(gather) < 0:
+            raise fail(f"gather is [latency s, s per byte, s per tensor], all ≥ 0; got {data['gather']!r}")
+    return Cluster(str(data.get("name", where)), devices, links, routes, gather)

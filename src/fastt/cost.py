@@ -156,11 +156,16 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.mean(v) for s, v in samples.items()})
 
 
-def fit_transfers(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b)."""
+def fit_transfers(sizes: Sequence[float], seconds: Sequence[float], relative: bool = False) -> tuple[float, float]:
+    """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b).
+
+    `relative`: fit relative errors. Sizes span decades, and in plain least squares the noise of the largest
+    transfer (a few percent of milliseconds) outweighs the smallest ones, which are what the latency is. Not for
+    copies in memory, whose small sizes run from cache at a bandwidth large ones never see."""
     a_mat = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], axis=1)
     secs = np.asarray(seconds, dtype=float)
-    (a, b), *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
+    w = 1.0 / np.maximum(np.abs(secs), 1e-12) if relative else np.ones(len(secs))
+    (a, b), *_ = np.linalg.lstsq(a_mat * w[:, None], secs * w, rcond=None)
     # Flat data fits a slope of rounding noise (~1e-26), which is no bandwidth: the line must rise measurably.
     span = float(np.ptp(a_mat[:, 1])) if len(sizes) else 0.0
     if not b * span > 1e-9 * np.abs(secs).max(initial=0.0):

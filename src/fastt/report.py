@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastt.graph import ALLREDUCE, COMPUTE, INPUT, UPDATE, OpGraph
-from fastt.simulate import Timeline
+from fastt.simulate import Collective, Timeline
 
 DEVICES_PID, LINKS_PID = 0, 1
 # Colors by op kind for the Gantt chart; transfers and allreduces are drawn on link rows.
@@ -40,7 +40,7 @@ def chrome_trace(timeline: Timeline, g: OpGraph) -> dict[str, Any]:
         events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k, "ts": t.start * us,
                     "dur": (t.end - t.start) * us, "args": {"bytes": t.nbytes}} for k in t.links]
     for c in timeline.collectives:
-        events += [{"name": g.ops[c.op].name, "cat": ALLREDUCE, "ph": "X", "pid": LINKS_PID, "tid": k,
+        events += [{"name": collective_name(g, c), "cat": ALLREDUCE, "ph": "X", "pid": LINKS_PID, "tid": k,
                     "ts": c.start * us, "dur": (c.end - c.start) * us,
                     "args": {"bytes": c.nbytes, "group": list(c.group)}} for k in c.links]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -109,9 +109,15 @@ def _gantt_rows(timeline: Timeline, g: OpGraph, ms: float) -> list[tuple[str, li
             links[k].append((t.start * ms, (t.end - t.start) * ms, "transfer", g.ops[t.op].name))
     for c in timeline.collectives:
         for k in c.links:
-            links[k].append((c.start * ms, (c.end - c.start) * ms, ALLREDUCE, g.ops[c.op].name))
+            links[k].append((c.start * ms, (c.end - c.start) * ms, ALLREDUCE, collective_name(g, c)))
     return ([(name, bars) for name, bars in zip(timeline.device_names, devices)]
             + [(name, bars) for name, bars in zip(timeline.link_names, links) if bars])
+
+
+def collective_name(g: OpGraph, c: Collective) -> str:
+    """A (possibly fused) allreduce's label: its first op's name, and how many more ran with it."""
+    name = g.ops[c.ops[0]].name
+    return f"{name} (+{len(c.ops) - 1} fused)" if len(c.ops) > 1 else name
 
 
 def _placed(timeline: Timeline) -> list[int]:

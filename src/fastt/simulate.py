@@ -8,8 +8,12 @@ The model, in full:
 - when an op finishes, each other device with consumers of it gets one transfer (the largest bytes any of those
   consumers reads); a transfer occupies every link of its route, links carry one thing at a time and are granted
   in request order (ties by op index), so contention delays the later request;
-- an allreduce runs on the devices of its inputs as a ring once they are all available and its ring links are free;
-  its result is then on every device of the ring;
+- what an op sends off its device (transfers, its part of an allreduce) leaves when the op finishes, or, with
+  `release`, when the op that ends its run of ops finishes (the runtimes hand values over per compiled segment);
+- an allreduce runs on the devices of its inputs once they are all available and its links are free, as a ring
+  or a gather (`Cluster.gather`); allreduces of one group that become ready at the same moment run as one
+  (their bytes fused, one latency), as the runtimes send one segment's gradients in one message; the result is
+  then on every device of the group;
 - memory per device starts at its resident set; an op allocates its output when it starts (INPUT data at t=0), a
   transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; a copy is freed
   when its last reader there (a local op, an outgoing transfer, an allreduce) has finished. At equal times
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -49,9 +53,9 @@ class Transfer(NamedTuple):
 
 
 class Collective(NamedTuple):
-    """Allreduce op `op` run as a ring over `group`, occupying `links` between `start` and `end`."""
+    """Allreduce ops `ops` (fused: their `nbytes` in one) over `group`, occupying `links` from `start` to `end`."""
 
-    op: int
+    ops: tuple[int, ...]
     group: tuple[int, ...]
     nbytes: int
     start: float
@@ -99,8 +103,9 @@ class _Plan:
     fanout: list[list[tuple]]         # op -> [(dst, consumers on dst, bytes, src)]; src == dst: already there
     ar_cons: list[list[int]]          # op -> allreduces reading it
     ar_need: dict[int, int]           # allreduce -> inputs it waits for
-    group: dict[int, tuple[int, ...]]  # allreduce -> its ring devices
-    ring: dict[int, tuple[tuple[int, ...], float]]  # allreduce -> (links, seconds)
+    group: dict[int, tuple[int, ...]]  # allreduce -> its devices
+    ar_cost: dict[tuple[int, ...], tuple]  # group -> (links, s, s per byte, s per tensor)
+    release: list[int]                # op -> the op whose end sends what it sends off its device
     routes: list[list[tuple[int, ...]]]
     lat: list[list[float]]
     bw: list[list[float]]
@@ -110,8 +115,10 @@ class _Plan:
 
 
 def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray,
-             lower_bound_s: float = 0.0) -> Timeline:
-    """Run `strategy` for graph `g` on `cluster` with `times[i][d]` seconds per op and device → Timeline."""
+             lower_bound_s: float = 0.0, release: Mapping[str, str] | None = None) -> Timeline:
+    """Run `strategy` for graph `g` on `cluster` with `times[i][d]` seconds per op and device → Timeline.
+    `release` maps an op to a later op of its device whose end sends its results off the device (default: its
+    own end)."""
     strategy.validate(g)
     n, nd = len(g.ops), len(cluster.devices)
     if strategy.n_devices != nd:
@@ -121,13 +128,14 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
     if t.shape != (n, nd):
         raise FasttError(f"times has shape {t.shape}, expected (ops, devices) = ({n}, {nd})")
     with _gc_paused():
-        return _simulate(g, strategy, cluster, t, lower_bound_s)
+        return _simulate(g, strategy, cluster, t, lower_bound_s, release or {})
 
 
-def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, lower_bound_s: float) -> Timeline:
+def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, lower_bound_s: float,
+              release: Mapping[str, str]) -> Timeline:
     """The simulation proper, on checked inputs: prepare, run the event loop, then account memory and load."""
     nd = len(cluster.devices)
-    plan = _prepare(g, strategy, cluster)
+    plan = _prepare(g, strategy, cluster, release)
     dur = t[np.arange(len(g.ops)), np.maximum(np.array(plan.dev, dtype=np.int64), 0)].tolist()
     start, end, crit, transfers, collectives = _run(g, plan, dur)
     start_a, end_a = np.array(start), np.array(end)
@@ -169,6 +177,8 @@ def _run(g: OpGraph, p: _Plan, dur: list[float]) -> tuple:
     link_free = [0.0] * (1 + max((lk for r in routes for rt in r for lk in rt), default=0))
     transfers: list[Transfer] = []
     collectives: list[Collective] = []
+    release, released, waiting = p.release, [False] * n, [[] for _ in range(n)]
+    pending: dict[tuple[int, ...], list[int]] = {}  # group -> allreduces ready at this moment
     heap = list(p.seeds)
     push, pop = heapq.heappush, heapq.heappop
 
@@ -198,11 +208,24 @@ def _run(g: OpGraph, p: _Plan, dur: list[float]) -> tuple:
             run(dev[i])
 
     def finish(j: int, t: float) -> None:
-        """Op j's output exists: hand it to local consumers, request transfers, feed allreduces."""
-        for dst, cons, nbytes, src in fanout[j]:
+        """Op j's output exists: hand it to local consumers; send it off the device now or at its release."""
+        for dst, cons, _, src in fanout[j]:
             if src == dst:
                 for i in cons:
                     arrive(i, j, t)
+        r = release[j]
+        if r == j or released[r]:
+            send(j, t)
+        else:
+            waiting[r].append(j)
+        released[j] = True
+        for k in waiting[j]:
+            send(k, t)
+
+    def send(j: int, t: float) -> None:
+        """Request op j's transfers to other devices, feed the allreduces reading it."""
+        for dst, cons, nbytes, src in fanout[j]:
+            if src == dst:
                 continue
             route, s = routes[src][dst], t
             for lk in route:
@@ -216,25 +239,35 @@ def _run(g: OpGraph, p: _Plan, dur: list[float]) -> tuple:
             ar_need[a] -= 1
             why[a] = j  # inputs arrive in time order, so the last one decides the start
             if not ar_need[a]:
-                allreduce(a, t)
+                grp = p.group[a]
+                if grp not in pending:  # launched once every event of this moment is in
+                    pending[grp] = []
+                    push(heap, (t, 2, a, -1, grp))
+                pending[grp].append(a)
 
-    def allreduce(a: int, t: float) -> None:
-        links, dur = p.ring[a]
+    def allreduce(grp: tuple[int, ...], t: float) -> None:
+        """Run the allreduces of `grp` that became ready at t as one."""
+        ops = pending.pop(grp)
+        links, latency, per_byte, per_tensor = p.ar_cost[grp]
+        nbytes = sum(_allreduce_bytes(g.ops[a]) for a in ops)
         s = max([t, *(link_free[lk] for lk in links)])
-        e = s + dur
+        e = s + latency + nbytes * per_byte + len(ops) * per_tensor
         for lk in links:
             link_free[lk] = e
-        start[a], end[a], crit[a] = s, e, why[a]
-        collectives.append(Collective(a, p.group[a], _allreduce_bytes(g.ops[a]), s, e, links))
-        push(heap, (e, 0, a, -1, None))
+        for a in ops:
+            start[a], end[a], crit[a] = s, e, why[a]
+            push(heap, (e, 0, a, -1, None))
+        collectives.append(Collective(tuple(ops), grp, nbytes, s, e, links))
 
     for d in range(len(order)):
         run(d)
     while heap:
         t, kind, j, _, cons = pop(heap)
-        if kind:
+        if kind == 1:
             for i in cons:
                 arrive(i, j, t)
+        elif kind == 2:
+            allreduce(cons, t)
         else:
             finish(j, t)
     _check_finished(g, p, at, ar_need)
@@ -261,7 +294,7 @@ def _check_finished(g: OpGraph, p: _Plan, at: list[int], ar_need: dict[int, int]
         raise FasttError("simulation stalled: " + "; ".join(stuck) + " (is the order consistent with the graph?)")
 
 
-def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster) -> _Plan:
+def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[str, str]) -> _Plan:
     """Flatten graph + strategy + cluster into the lists the event loop reads."""
     ops, index, nd = g.ops, g.index, len(cluster.devices)
     dev = [-1] * len(ops)
@@ -294,8 +327,15 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster) -> _Plan:
             f.sort(key=lambda x: x[0])  # transfers of one op are requested in device order
     seeds = [(0.0, 0, r, -1, None) for r in sorted(holders) if fanout[r]]
     order = [[index[name] for name in names] + [-1] for names in strategy.order]
-    ring = {a: _ring(cluster, grp, _allreduce_bytes(ops[a])) for a, grp in group.items()}
-    return _Plan(dev, order, need, fanout, ar_cons, ar_need, group, ring, routes, lat, bw, readers, seeds, holders)
+    ar_cost = {grp: _allreduce_cost(cluster, grp) for grp in set(group.values())}
+    rel = list(range(len(ops)))
+    for name, r in release.items():
+        i, k = index[name], index[r]
+        if dev[i] < 0 or dev[k] != dev[i]:
+            raise FasttError(f"release: '{name}' is sent after '{r}', which is not placed on its device")
+        rel[i] = k
+    return _Plan(dev, order, need, fanout, ar_cons, ar_need, group, ar_cost, rel, routes, lat, bw, readers, seeds,
+                 holders)
 
 
 def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int) -> tuple:
@@ -370,20 +410,26 @@ def _allreduce_bytes(op: Op) -> int:
     return max(op.out_bytes, *op.in_bytes, 0)
 
 
-def _ring(cluster: Cluster, group: tuple[int, ...], nbytes: int) -> tuple[tuple[int, ...], float]:
-    """Links and seconds of a ring allreduce of nbytes over `group`.
+def _allreduce_cost(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[int, ...], float, float, float]:
+    """Links, fixed seconds, seconds per byte and per tensor of an allreduce over `group`.
 
-    Each of the 2(n-1) steps moves nbytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth, plus one
-    route latency per step (the largest, since all neighbours step together).
+    Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth, plus
+    one route latency per step (the largest, since all neighbours step together).
+    Gather (`Cluster.gather`): every device exchanges with the n-1 others, one after the other, and sums; it
+    occupies the links between all of them.
     """
     n = len(group)
     if n == 1:
-        return (), 0.0
+        return (), 0.0, 0.0, 0.0
+    if cluster.gather is not None:
+        hops = [cluster.route(a, b) for a in group for b in group if a != b]
+        latency, per_byte, per_tensor = cluster.gather
+        return tuple(sorted({lk for h in hops for lk in h})), latency, (n - 1) * per_byte, (n - 1) * per_tensor
     hops = [cluster.route(group[k], group[(k + 1) % n]) for k in range(n)]
     links = tuple(sorted({lk for h in hops for lk in h}))
     slowest = min(cluster.links[lk].bandwidth for lk in links)
     latency = max(sum(cluster.links[lk].latency for lk in h) for h in hops)
-    return links, 2 * (n - 1) / n * nbytes / slowest + 2 * (n - 1) * latency
+    return links, 2 * (n - 1) * latency, 2 * (n - 1) / n / slowest, 0.0
 
 
 def _memory(g: OpGraph, p: _Plan, start: np.ndarray, end: np.ndarray, transfers: tuple[Transfer, ...],
@@ -408,7 +454,7 @@ def _memory(g: OpGraph, p: _Plan, start: np.ndarray, end: np.ndarray, transfers:
     out = np.array([op.out_bytes for op in g.ops], dtype=np.int64)
     placed = np.flatnonzero((dev >= 0) & (out > 0))
     is_input = np.array([g.ops[i].kind == INPUT for i in placed], dtype=bool)
-    ar = [(c.op, d) for c in collectives for d in c.group if out[c.op] > 0]
+    ar = [(a, d) for c in collectives for a in c.ops for d in c.group if out[a] > 0]
     ar_op, ar_dev = (np.array([x[k] for x in ar], dtype=np.int64) for k in range(2))
     d_all = np.concatenate([dev[placed], ar_dev, t_dst])
     size = np.concatenate([out[placed], out[ar_op], t_bytes])
@@ -448,12 +494,15 @@ def human_bytes(n: float) -> str:
 
 
 def inter_node_bytes(tl: Timeline, cluster: Cluster) -> int:
-    """Bytes a simulated step moves between nodes: transfers between devices of different nodes, and each ring
-    allreduce's hops that cross nodes (2(n-1)/n of its bytes per hop, as `_ring` costs it)."""
+    """Bytes a simulated step moves between nodes: transfers between devices of different nodes, and each
+    allreduce's hops that cross nodes (ring: 2(n-1)/n of its bytes per hop; gather: all of them from every device
+    to every other, as `_allreduce_cost` costs them)."""
     node = [d.node for d in cluster.devices]
     total = sum(t.nbytes for t in tl.transfers if node[t.src] != node[t.dst])
     for c in tl.collectives:
-        n = len(c.group)
-        hops = sum(node[c.group[i]] != node[c.group[(i + 1) % n]] for i in range(n)) if n > 1 else 0
-        total += hops * 2 * (n - 1) / n * c.nbytes
+        grp, n = c.group, len(c.group)
+        if cluster.gather is not None:
+            total += sum(node[a] != node[b] for a in grp for b in grp) * c.nbytes
+        elif n > 1:
+            total += sum(node[grp[i]] != node[grp[(i + 1) % n]] for i in range(n)) * 2 * (n - 1) / n * c.nbytes
     return int(total)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._guards import detect_fake_mode
@@ -41,7 +42,7 @@ from ..errors import FasttError
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, replica_envs
+from .local import Placed, Programs, Segment, _Run, replica_envs, replica_mean
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
@@ -82,6 +83,7 @@ class Wiring:
     # chunks others wrote, to copy into its buffer after the end.
     chunks: tuple[tuple[tuple, ...], ...] = ()
     merge: tuple[tuple[tuple, ...], ...] = ()
+    leaves: tuple[tuple, ...] = ()  # per message, the (shape, stride, dtype) of every tensor in its buffer
 
 
 class _Post:
@@ -193,7 +195,7 @@ def _nbytes(leaf: tuple | None) -> int:
     if leaf is None:
         return 0
     shape, _, dtype = leaf
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    n = torch.Size(shape).numel() * dtype.itemsize
     return -(-n // ALIGN) * ALIGN
 
 
@@ -201,15 +203,16 @@ def _packed_size(leaves: Sequence) -> int:
     return sum(_nbytes(leaf) for leaf in leaves)
 
 
+_PAD = torch.zeros(ALIGN, dtype=torch.uint8)
+
+
 def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]]) -> torch.Tensor:
     """One byte buffer holding the tensors of a message, each laid out with the captured step's strides (dense
-    ones in their memory order, others contiguous), at offsets aligned to ALIGN."""
-    buf = torch.empty(_packed_size([leaf for _, leaf in pairs]), dtype=torch.uint8)
-    off = 0
+    ones in their memory order, others contiguous), at offsets aligned to ALIGN: one `cat` of their bytes."""
+    pieces = []
     for x, leaf in pairs:
         if leaf is None or not x.numel():
-            off += _nbytes(leaf)
-            continue
+            continue  # a None has no bytes, an empty tensor ALIGN-rounded 0
         shape, stride, _ = leaf
         if not _dense(shape, stride):
             flat = x.contiguous().view(-1)
@@ -218,25 +221,29 @@ def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]]) -> torch.Te
                 x = torch.empty_strided(shape, stride, dtype=x.dtype).copy_(x)
             flat = _wire_view(x)
         raw = flat.view(torch.uint8)
-        buf[off:off + raw.numel()].copy_(raw)
-        off += _nbytes(leaf)
-    return buf
+        pieces.append(raw)
+        if _nbytes(leaf) > raw.numel():
+            pieces.append(_PAD[:_nbytes(leaf) - raw.numel()])
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
 
 
 def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
     """The tensors `_pack` put in `buf`, with the captured step's shapes and strides (views of buf when dense)."""
-    out, off = [], 0
+    out, off, typed = [], 0, {}
     for leaf in leaves:
         if leaf is None:
             out.append(None)
             continue
         shape, stride, dtype = leaf
-        numel = torch.Size(shape).numel()
-        piece = buf[off:off + _nbytes(leaf)].view(dtype)[:numel]
+        view = typed.get(dtype)
+        if view is None:
+            view = typed[dtype] = buf.view(dtype)
+        at = off // dtype.itemsize
         if _dense(shape, stride):
-            out.append(piece.as_strided(shape, stride))
+            out.append(view.as_strided(shape, stride, at))
         else:
-            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(piece.view(shape)))
+            numel = torch.Size(shape).numel()
+            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(view[at:at + numel].view(shape)))
         off += _nbytes(leaf)
     return out
 
@@ -272,9 +279,11 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
     bad = [name for _, name in values if shapes.get(name) is None]
     if bad:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
+    shapes = {(k, name): shapes[name] for k, name in values}
+    leaves = tuple(tuple(leaf for v in m.values for leaf in shapes[v][1]) for m in post.messages)
     return Wiring(tuple(post.messages), tuple(recv_before), tuple(reduce_before),
                   tuple(tuple(tuple(x) for x in segs) for segs in post.send_after), tuple(final), keep,
-                  {(k, name): shapes[name] for k, name in values}, chunks, merge)
+                  shapes, chunks, merge, leaves)
 
 
 def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
@@ -336,6 +345,8 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
 class _RankRun(_Run):
     """One step on this rank: its device's segments, with the wiring's messages instead of shared memory."""
 
+    signalled = False
+
     def __init__(self, low: Lowered, programs: Programs, wiring: Wiring, envs: list[dict], rank: int,
                  timeout: timedelta) -> None:
         super().__init__(low, programs, envs, torch.get_num_threads(), None)
@@ -344,8 +355,7 @@ class _RankRun(_Run):
 
     def receive(self, ms: Sequence[int]) -> None:
         for i in ms:
-            m = self.wiring.messages[i]
-            leaves = [leaf for v in m.values for leaf in self.wiring.shapes[v][1]]
+            m, leaves = self.wiring.messages[i], self.wiring.leaves[i]
             buf = torch.empty(_packed_size(leaves), dtype=torch.uint8)
             if buf.numel():
                 try:
@@ -544,36 +554,90 @@ def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 
     return list(sizes), times
 
 
+def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool) -> None:
+    """Two ranks average tensors the way the runtime's gather does: pack, isend, irecv, unpack, replica mean."""
+    w = dist.isend(_pack(list(zip(xs, leaves))), other)
+    buf = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+    dist.irecv(buf, other).wait()
+    got = _unpack(buf, leaves)
+    replica_mean([list(xs), got] if first else [got, list(xs)])
+    w.wait()
+
+
+GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
+
+
+def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
+                   repeats: int = 5) -> tuple[list[tuple[int, int]], list[float]]:
+    """Seconds rank 0 and `peer` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), both at once,
+    the way the runtime's gather does (`_exchange`), median of repeats: ([(bytes, tensors)], seconds). Rank 0
+    and `peer` call it together."""
+    rank = dist.get_rank()
+    other = peer if rank == 0 else 0
+    points, times = [], []
+    for k, f in shapes:
+        xs = [torch.rand(f) for _ in range(k)]
+        leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            _exchange(xs, leaves, other, rank == 0)
+            ts.append(time.perf_counter() - t0)
+        points.append((4 * k * f, k))
+        times.append(statistics.median(ts[1:]))
+    return points, times
+
+
+def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the cost per byte
+    grows with the size (caches, socket buffers), and the megabytes that gradients come in are what matter."""
+    secs = np.asarray(seconds, dtype=float)
+    a_mat = np.array([(1.0, b, k) for b, k in points], dtype=float)
+    coef, *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
+    a, b, c = (max(float(x), 0.0) for x in coef)
+    return a, b, c
+
+
 def gloo_cluster() -> Cluster:
     """The process group's ranks as a Cluster: a CPU device per rank (its cores, calibrated), nodes from torchrun's
-    LOCAL_WORLD_SIZE, and links whose latency and bandwidth are fitted (least squares) on gloo transfers measured
-    for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to the first rank of node 1).
-    Every rank calls it; all get rank 0's numbers."""
+    LOCAL_WORLD_SIZE, one link per (ordered) pair of nodes, whose latency and bandwidth are fitted (least squares)
+    on gloo transfers measured for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to the first rank of node 1).
+    Gradients are averaged by gather (`Cluster.gather`), as `wire` does it, fitted on measured exchanges
+    (`measure_gather`). Every rank calls it; all get rank 0's numbers."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = [r // per_node for r in range(world)]
     peers = {"intra": 1 if world > 1 and node[1] == 0 else None, "inter": per_node if per_node < world else None}
     fitted: dict[str, tuple[float, float]] = {}
-    for cls, peer in peers.items():
+    gather = None
+    for cls, peer in peers.items():  # the gather across nodes (measured last) is the slower one
         if peer is None:
             continue
         if rank in (0, peer):
             sizes, secs = measure_gloo(peer)
+            points, times = measure_gather(peer)
             if rank == 0:
-                fitted[cls] = fit_transfers(sizes, secs)
+                fitted[cls] = fit_transfers(sizes, secs, relative=True)
+                gather = fit_gather(points, times)
         dist.barrier()
-    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0]) if rank == 0 else None]
+    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0], gather) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    fitted, dev = box[0]
+    fitted, dev, gather = box[0]
     devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
                     for r in range(world))
-    links, routes = [], {}
+    # One link per pair of nodes, shared by all their ranks: on a node, messages go through the host's TCP
+    # stack on the cores that compute (two ranks exchanging take twice as long as one sending); between
+    # nodes, through one connection.
+    links, index, routes = [], {}, {}
     for i, j in itertools.permutations(range(world), 2):
-        cls = "intra" if node[i] == node[j] else "inter"
-        latency, bandwidth = fitted[cls]
-        routes[i, j] = (len(links),)
-        links.append(Link(f"gloo-{cls}:{i}->{j}", bandwidth, latency))
-    return Cluster(f"gloo:{world}", devices, tuple(links), routes)
+        pair = (node[i], node[j])
+        if pair not in index:
+            cls = "intra" if node[i] == node[j] else "inter"
+            index[pair] = len(links)
+            name = f"n{node[i]}" if cls == "intra" else f"n{node[i]}->n{node[j]}"
+            links.append(Link(f"gloo-{cls}:{name}", fitted[cls][1], fitted[cls][0]))
+        routes[i, j] = (index[pair],)
+    return Cluster(f"gloo:{world}", devices, tuple(links), routes, gather)
 
 
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,

@@ -199,11 +199,20 @@ class Placed:
 
 def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts) -> Placed:
     """Lower and compile `strategy`; a strategy that does not fit in device memory is refused."""
-    tl = simulate(graph, strategy, cl, costs)
+    low = lower(graph, strategy)
+    programs = compile_programs(low, [torch_device(dev) for dev in cl.devices])
+    tl = simulate(graph, strategy, cl, costs, release=release_points(low, programs))
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    low = lower(graph, strategy)
-    return Placed(strategy, low, compile_programs(low, [torch_device(dev) for dev in cl.devices]), tl.iteration_s)
+    return Placed(strategy, low, programs, tl.iteration_s)
+
+
+def release_points(low: Lowered, programs: Programs) -> dict[str, str]:
+    """Op -> the last op of its segment: what an op hands to other devices (values, gradients for an allreduce)
+    leaves when its segment ends. The simulator's `release`, so it simulates the step the runtimes run."""
+    ops = low.graph.ops
+    return {ops[t.op].name: ops[seg.tasks[-1].op].name
+            for segs in programs.devices for seg in segs for t in seg.tasks[:-1]}
 
 
 class _Run:
@@ -211,12 +220,14 @@ class _Run:
     On CUDA also: the CUDA event each waited-for op was recorded with, values copied to other GPUs, and tensors
     other streams read, kept alive until the step has synchronized."""
 
+    signalled = True  # devices run in threads of this process and wait on each other's events
+
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
                  timings: list | None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
-        self.events = {op: threading.Event() for op in programs.signals}
+        self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
         self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
         self.error: tuple[str, int, BaseException] | None = None
@@ -301,10 +312,7 @@ class _Run:
 
     def average(self, names: Sequence[str], grads: Sequence[Sequence[torch.Tensor]]) -> None:
         """Every replica's `names` become the mean of `grads` (one list per replica), summed in replica order."""
-        total = grads[0]
-        for other in grads[1:]:
-            total = torch._foreach_add(total, other)
-        torch._foreach_div_(total, float(len(self.envs)))
+        total = replica_mean(grads)
         for env in self.envs:
             env.update(zip(names, total))
 
@@ -385,6 +393,15 @@ class _Run:
                 return
             if not ready or not self.run_segment(seg, d):
                 return
+
+
+def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP does."""
+    total = grads[0]
+    for other in grads[1:]:
+        total = torch._foreach_add(total, other)
+    torch._foreach_div_(total, float(len(grads)))
+    return list(total)
 
 
 def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
