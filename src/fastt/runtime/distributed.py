@@ -206,9 +206,10 @@ def _packed_size(leaves: Sequence) -> int:
 _PAD = torch.zeros(ALIGN, dtype=torch.uint8)
 
 
-def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]]) -> torch.Tensor:
+def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]], out: torch.Tensor | None = None) -> torch.Tensor:
     """One byte buffer holding the tensors of a message, each laid out with the captured step's strides (dense
-    ones in their memory order, others contiguous), at offsets aligned to ALIGN: one `cat` of their bytes."""
+    ones in their memory order, others contiguous), at offsets aligned to ALIGN: one `cat` of their bytes (into
+    `out` when given)."""
     pieces = []
     for x, leaf in pairs:
         if leaf is None or not x.numel():
@@ -224,7 +225,9 @@ def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]]) -> torch.Te
         pieces.append(raw)
         if _nbytes(leaf) > raw.numel():
             pieces.append(_PAD[:_nbytes(leaf) - raw.numel()])
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
 
 
 def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
@@ -342,21 +345,41 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     return final, tuple(keep), tuple(map(tuple, chunks)), tuple(map(tuple, merge))
 
 
+class _Buffers:
+    """Message buffers kept from step to step: a fresh buffer of megabytes costs its page faults every step
+    (16 MiB: about 6 ms here). Not for messages that carry a value this rank keeps after the step (a new
+    parameter is a view of the buffer): those get a fresh one each time."""
+
+    def __init__(self, wiring: Wiring, rank: int) -> None:
+        kept = set(wiring.keep[rank].values())
+        self.fresh = frozenset(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values))
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def get(self, i: int, leaves: Sequence) -> torch.Tensor:
+        """Message i's buffer (its sends have completed, its values of the last step are gone)."""
+        if i in self.fresh:
+            return torch.empty(_packed_size(leaves), dtype=torch.uint8)
+        buf = self.kept.get(i)
+        if buf is None:
+            buf = self.kept[i] = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+        return buf
+
+
 class _RankRun(_Run):
     """One step on this rank: its device's segments, with the wiring's messages instead of shared memory."""
 
     signalled = False
 
     def __init__(self, low: Lowered, programs: Programs, wiring: Wiring, envs: list[dict], rank: int,
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, buffers: _Buffers) -> None:
         super().__init__(low, programs, envs, torch.get_num_threads(), None)
-        self.wiring, self.rank, self.timeout = wiring, rank, timeout
+        self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
         self.sends: list = []
 
     def receive(self, ms: Sequence[int]) -> None:
         for i in ms:
             m, leaves = self.wiring.messages[i], self.wiring.leaves[i]
-            buf = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+            buf = self.buffers.get(i, leaves)
             if buf.numel():
                 try:
                     dist.irecv(buf, m.src, tag=m.tag).wait(self.timeout)
@@ -372,7 +395,7 @@ class _RankRun(_Run):
             m = self.wiring.messages[i]
             pairs = [(x, leaf) for v in m.values for x, leaf in
                      zip(torch.utils._pytree.tree_leaves(self.envs[v[0]][v[1]]), self.wiring.shapes[v][1])]
-            buf = _pack(pairs)
+            buf = _pack(pairs, self.buffers.get(i, self.wiring.leaves[i]))
             if buf.numel():
                 self.sends.append((buf, dist.isend(buf, m.dst, tag=m.tag)))
 
@@ -429,6 +452,7 @@ class DistributedStep:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
         self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
+        self.buffers = _Buffers(wiring, self.rank)
 
     @property
     def strategy(self) -> Strategy:
@@ -444,7 +468,7 @@ class DistributedStep:
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         r = low.replicas
         envs = replica_envs(low, programs, params, buffers, states, batch)
-        run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout)
+        run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers)
         with torch.no_grad():
             for env in envs:
                 for name in low.prelude:
@@ -554,10 +578,12 @@ def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 
     return list(sizes), times
 
 
-def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool) -> None:
-    """Two ranks average tensors the way the runtime's gather does: pack, isend, irecv, unpack, replica mean."""
-    w = dist.isend(_pack(list(zip(xs, leaves))), other)
-    buf = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool,
+              bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Two ranks average tensors the way the runtime's gather does: pack, isend, irecv (into the buffers it
+    keeps from step to step), unpack, replica mean."""
+    w = dist.isend(_pack(list(zip(xs, leaves)), bufs[0]), other)
+    buf = bufs[1]
     dist.irecv(buf, other).wait()
     got = _unpack(buf, leaves)
     replica_mean([list(xs), got] if first else [got, list(xs)])
@@ -568,7 +594,7 @@ GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  #
 
 
 def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
-                   repeats: int = 5) -> tuple[list[tuple[int, int]], list[float]]:
+                   repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
     """Seconds rank 0 and `peer` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), both at once,
     the way the runtime's gather does (`_exchange`), median of repeats: ([(bytes, tensors)], seconds). Rank 0
     and `peer` call it together."""
@@ -578,10 +604,12 @@ def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
     for k, f in shapes:
         xs = [torch.rand(f) for _ in range(k)]
         leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
+        bufs = (torch.empty(_packed_size(leaves), dtype=torch.uint8), torch.empty(_packed_size(leaves),
+                                                                                  dtype=torch.uint8))
         ts = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            _exchange(xs, leaves, other, rank == 0)
+            _exchange(xs, leaves, other, rank == 0, bufs)
             ts.append(time.perf_counter() - t0)
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
