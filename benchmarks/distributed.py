@@ -101,7 +101,7 @@ def render(data: dict) -> str:
                    "and compute slowed by the gloo threads on the same cores. The planner itself plans with "
                    "per-op sends and a per-gradient allreduce, so model-parallel plans with many hand-offs "
                    "can look faster to it than they run; before training, `fastt` races its plan against data parallelism for a few steps and keeps the faster (FastT's "
-                   "rule). There is no tuning loop during distributed training yet.")]
+                   "rule); with `--tune` it runs FastT's tuning loop during training instead.")]
     return "\n".join(lines) + "\n"
 
 

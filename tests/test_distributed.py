@@ -105,6 +105,32 @@ def test_survivors_of_a_killed_rank_exit_within_30_s() -> None:
     assert end - killed < 30
 
 
+def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(tmp_path: Path) -> None:
+    """DP, then the one-device plan (rank 1 idles, its model goes stale), then DP again: every step equals
+    eager's step from the same state, so the switch gave rank 1 rank 0's parameters, state and BN buffers."""
+    out = tmp_path / "switch.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "distributed_switch.py"), "inception_v3", str(out)]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["replicas"] == [2, 2, 2, 1, 1, 1, 2, 2, 2]
+    assert max(got["diffs"]) <= 1e-5, got["diffs"]
+
+
+def test_fastt_tunes_across_ranks_and_trains_as_eager(tmp_path: Path) -> None:
+    """--tune: rank 0's tuner profiles every rank's segments, refits, replans and keeps a plan only if it measures
+    faster; training matches eager whatever it switched to."""
+    out = tmp_path / "out.json"
+    code, _, err = run(2, "--model", "transformer", "--planners", "fastt", "--tune", "--steps", "14",
+                       "--check-steps", "--out", str(out))
+    assert code == 0, err[-3000:]
+    r = results(out)["fastt"]
+    assert r["tuning"] and r["tuning"][0]["plan"].startswith("dp (2 replicas")  # starts data-parallel
+    assert all(x["measured_s"] > 0 and x["simulated_s"] > 0 for x in r["tuning"])
+    assert "tune: done" in err and r["max_step_rel_diff"] <= 1e-5
+
+
 def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     """Two torchrun agents, one rank each, as two nodes: the cluster has a fitted link class between nodes."""
     with socket.socket() as s:

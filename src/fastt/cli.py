@@ -261,15 +261,15 @@ def cmd_run(a: argparse.Namespace) -> None:
 def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
     """`fastt run` with one process per device: torchrun on this machine running `python -m fastt.launch`."""
     m = re.fullmatch(r"cpu:(\d+)", a.devices.strip())
-    if m is None or a.tune:
-        raise FasttError("--launcher torchrun runs cpu:N (one process per CPU device, gloo), without --tune")
+    if m is None:
+        raise FasttError("--launcher torchrun runs cpu:N (one process per CPU device, gloo)")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", m[1],
                "-m", "fastt.launch", "--model", a.model, "--size", a.size, "--optimizer", a.optimizer,
                "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
                "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
-               *(["--check"] if a.check else [])]
+               *(["--check"] if a.check else []), *(["--tune"] if a.tune else [])]
         r = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if r.returncode != 0 or not out_path.is_file():
             said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]

@@ -7,6 +7,10 @@ and, with `--out`, writes it as JSON. Multi-node: run torchrun on every node wit
 rendezvous endpoint, as usual. A rank that fails or loses a peer exits non-zero with a message naming the rank
 that failed first; `--timeout` bounds how long a rank waits for a peer.
 
+`--tune`: `fastt` starts data-parallel and tunes its plan in the first steps (FastT's loop, as `fastt run --tune`
+does locally): rank 0's tuner sees every rank's segment times; when it switches plans, every rank does, taking
+rank 0's model and optimizer state.
+
 `FASTT_FAULT=RANK:STEP:kill|raise` makes that rank die (SIGKILL) or raise at the start of that step (fault tests).
 """
 
@@ -66,37 +70,40 @@ def train(args: argparse.Namespace) -> dict | None:
         initial = copy.deepcopy(model.state_dict())
         strategy = Strategy.load(args.strategy) if args.strategy else None
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
-                                       timeout_s=args.timeout)
+                                       timeout_s=args.timeout, tune=args.tune and planner == "fastt")
         if args.save_plans and rank == 0:
             os.makedirs(args.save_plans, exist_ok=True)
             step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
         batches = [batch_like(inputs, i) for i in range(args.steps)]
         ref = make() if args.check_steps and rank == 0 else None
-        times, step_diffs = [], []
+        times, step_diffs, replicas, tuned = [], [], [], 0
         for i, b in enumerate(batches):
+            replicas.append(step.strategy.replicas)
             if ref is not None:  # the reference takes this step from our state
                 ref[1].load_state_dict(model.state_dict())
                 for p, q in zip(ref[1].parameters(), model.parameters()):
                     ref[3].state[p] = {k: v.clone() for k, v in opt.state[q].items()}
-                eager_reference_step(ref[1], ref[2], ref[3], b, step.strategy.replicas)
+                eager_reference_step(ref[1], ref[2], ref[3], b, replicas[-1])
             dist.barrier()
             t0 = time.perf_counter()
             _fault(rank, i)  # the others are in the step, waiting for this rank
             step(*b)
             dist.barrier()
             times.append(time.perf_counter() - t0)
+            tuned += step.tuner is not None and step.tuner.active
             if ref is not None:
                 step_diffs.append(max_param_rel_diff(ref[1], model))
-        measured = statistics.median(times[1:] or times)
+        measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits), "tuning": None, "trial": step.trial})
+                        "splits": len(step.strategy.splits), "trial": step.trial,
+                        "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None})
         if step_diffs:
             results[-1]["max_step_rel_diff"] = max(step_diffs)
             worst = max(worst, max(step_diffs))
         if args.check and rank == 0:
-            diff = check_against_eager(make, "cpu", initial, batches, [step.strategy.replicas] * len(batches),
+            diff = check_against_eager(make, "cpu", initial, batches, replicas,
                           torch.get_num_threads(), model)
             results[-1]["max_param_rel_diff"] = diff
             worst = max(worst, diff)
@@ -143,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")
     p.add_argument("--strategy", default=None, help="run this strategy file (fastt plan --out) instead of planning")
     p.add_argument("--save-plans", default=None, help="rank 0 writes each planner's strategy to DIR/PLANNER.json")
+    p.add_argument("--tune", action="store_true",
+                   help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop; rank 0 "
+                        "decides, every rank switches) instead of racing its plan against DP before training")
     return p
 
 

@@ -37,12 +37,14 @@ from torch._guards import detect_fake_mode
 
 from ..capture import bind
 from ..cluster import Cluster, Link, cpu_cluster
-from ..cost import calibrate_cpu, fit_transfers
+from ..cost import MeasuredCosts, calibrate_cpu, fit_transfers
 from ..errors import FasttError
+from ..graph import OpGraph
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
 from .local import Placed, Programs, Segment, _Run, replica_envs, replica_mean
+from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
@@ -371,8 +373,8 @@ class _RankRun(_Run):
     signalled = False
 
     def __init__(self, low: Lowered, programs: Programs, wiring: Wiring, envs: list[dict], rank: int,
-                 timeout: timedelta, buffers: _Buffers) -> None:
-        super().__init__(low, programs, envs, torch.get_num_threads(), None)
+                 timeout: timedelta, buffers: _Buffers, timings: list | None = None) -> None:
+        super().__init__(low, programs, envs, torch.get_num_threads(), timings)
         self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
         self.sends: list = []
 
@@ -411,6 +413,7 @@ class _RankRun(_Run):
             if ops:
                 self.receive(ms)
                 self.reduce(ops)
+            t0 = time.perf_counter()
             try:
                 if seg.fn is None:
                     for t in seg.tasks:
@@ -421,6 +424,8 @@ class _RankRun(_Run):
             except Exception as e:
                 name = (self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name
                 raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
+            if self.timings is not None:
+                self.timings.append((i, time.perf_counter() - t0))
             self.send(self.wiring.send_after[d][i])
         for x, name, dim, k, parts in self.wiring.chunks[d]:
             self.envs[0][name] = torch.tensor_split(self.envs[0][x], parts, dim)[k]
@@ -447,12 +452,28 @@ class DistributedStep:
     step; other ranks keep what their devices read."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed, wiring: Wiring,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.model, self.optimizer, self.placed, self.wiring = model, optimizer, placed, wiring
+                 timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None, cluster: Cluster | None = None,
+                 costs: MeasuredCosts | None = None, tuner: Tuner | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
         self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
-        self.buffers = _Buffers(wiring, self.rank)
+        # What the tuner reads and replaces, as on a local ParallelStep (its log and decisions are rank 0's).
+        self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
+        self._placed, self.wiring, self.buffers = placed, wiring, _Buffers(wiring, self.rank)
+
+    @property
+    def placed(self) -> Placed:
+        return self._placed
+
+    @placed.setter
+    def placed(self, placed: Placed) -> None:
+        """Run another plan from the next step on (the tuner's trial or roll-back): its messages are wired."""
+        same = placed.programs is self._placed.programs
+        self._placed = placed
+        if not same:
+            self.wiring = wire(placed.lowered, placed.programs)
+            self.buffers = _Buffers(self.wiring, self.rank)
 
     @property
     def strategy(self) -> Strategy:
@@ -468,7 +489,10 @@ class DistributedStep:
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         r = low.replicas
         envs = replica_envs(low, programs, params, buffers, states, batch)
-        run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers)
+        tuning = self.tuner is not None and self.tuner.active
+        t0 = time.perf_counter()
+        run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
+                       [] if tuning else None)
         with torch.no_grad():
             for env in envs:
                 for name in low.prelude:
@@ -490,9 +514,39 @@ class DistributedStep:
                 target.data = new
             elif new is not target:
                 target.copy_(new)
-        if self.rank != 0:
-            return None
-        return sum(env[programs.outputs[0]] for env in envs) / r
+        loss = sum(env[programs.outputs[0]] for env in envs) / r if self.rank == 0 else None
+        if tuning:
+            self._tune(time.perf_counter() - t0, run.timings)
+        return loss
+
+    def _tune(self, seconds: float, timings: list) -> None:
+        """FastT's loop across the ranks: rank 0's tuner observes every rank's segment times and this step's
+        time (its own); when it switches plans (a trial or a roll-back), every rank places the same plan and
+        takes rank 0's model and optimizer state first, since the others only keep what their devices read."""
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, timings)
+        box: list = [None]
+        if self.rank == 0:
+            before, segs = self.placed, self.placed.programs.devices
+            self.tuner.observe(self, seconds, [(segs[d][i], d, s) for d, ts in enumerate(everyone) for i, s in ts])
+            changed = self.placed.strategy != before.strategy
+            box = [(self.placed.strategy.to_json() if changed else None, self.tuner.active)]
+        dist.broadcast_object_list(box, src=0)
+        switch, self.tuner.active = box[0]
+        if switch is not None:
+            self.switch(Strategy.from_json(switch), self.placed if self.rank == 0 else None)
+
+    def switch(self, strategy: Strategy, placed: Placed | None = None) -> None:
+        """Run `strategy` from the next step on. Every rank calls it with the same strategy (`placed`: this
+        rank's placement of it, if made already): it is placed and wired, and every rank takes rank 0's model and
+        optimizer state, since the others only kept what their devices read."""
+        if placed is None:
+            from .local import place
+
+            placed = place(self.graph, strategy, self.cluster, self.costs)
+        self.placed = placed
+        _check_same(self.wiring)
+        sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
 
 
 def record_failure(message: str, lost_peer: bool = False) -> str:
@@ -671,13 +725,17 @@ def gloo_cluster() -> Cluster:
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
                             example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
                             strategy: Strategy | None = None, cl: Cluster | None = None,
-                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3) -> DistributedStep:
+                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3,
+                            tune: bool | Tuner = False) -> DistributedStep:
     """`parallelize` over an initialized gloo process group, one device per rank: every rank calls it with the
     same model, optimizer and inputs. Every rank captures the step and measures its op times (at once, so they
     include what the ranks cost each other); rank 0 plans and sends the plan to all.
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both run
-    `trial_steps` steps on copies of the model and optimizer first (0: no trial). `step.trial` has the times."""
+    `trial_steps` steps on copies of the model and optimizer first (0: no trial). `step.trial` has the times.
+    `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's
+    tuning loop in the first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's
+    tuner decides and logs."""
     from ..api import capture, plan, simulate
     from . import measure_step
 
@@ -685,10 +743,14 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     cl = cl or gloo_cluster()
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
     threads = torch.get_num_threads()
+    tuner = Tuner() if tune is True else tune or None
+    if strategy is None and tuner is not None and graph.batch % world == 0:
+        dp = plan(graph, cl, "dp")
+        strategy = dp if simulate(graph, dp, cl).fits else None
     planned = strategy is None and planner == "fastt"
     if strategy is None and planner != "fastt":
         strategy = plan(graph, cl, planner)
-    batches = ([graph.batch // strategy.replicas] if strategy is not None else
+    batches = ([graph.batch // strategy.replicas] if strategy is not None and tuner is None else
                [graph.batch] + ([graph.batch // world] if graph.batch % world == 0 else []))
     costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
     if strategy is None and rank == 0:
@@ -696,8 +758,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
-    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s)
-    if planned and trial_steps and world > 1 and graph.batch % world == 0:
+    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
+    if planned and tuner is None and trial_steps and world > 1 and graph.batch % world == 0:
         dp = plan(graph, cl, "dp")
         same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
         if not same and simulate(graph, dp, cl, costs).fits:
@@ -708,17 +770,41 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     return step
 
 
-def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float):
+def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
+                 tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
     from .local import place
 
     placed = place(graph, strategy, cl, costs)
     wiring = wire(placed.lowered, placed.programs)
+    _check_same(wiring)
+    return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner)
+
+
+def _check_same(wiring: Wiring) -> None:
+    """Every rank compiled the same messages (a digest of them, compared across ranks)."""
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, hashlib.sha1(repr(wiring.messages).encode()).hexdigest())
     if len(set(digests)) != 1:
         raise FasttError("the ranks compiled different programs: do all ranks build the same model and inputs?")
-    return DistributedStep(model, optimizer, placed, wiring, timeout_s)
+
+
+def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
+    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer)."""
+    params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
+    tensors = [*params, *buffers, *(s for ss in states for s in ss)]
+    leaves = [(t.shape, torch.empty(t.shape, device="meta").stride(), t.dtype) for t in tensors]
+    buf = _pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else torch.empty(_packed_size(leaves),
+                                                                                      dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    if dist.get_rank() == 0:
+        return
+    with torch.no_grad():
+        for t, new in zip(tensors, _unpack(buf, leaves)):
+            if isinstance(t, torch.nn.Parameter):
+                t.data = new
+            else:
+                t.copy_(new)
 
 
 def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> float:

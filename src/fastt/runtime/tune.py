@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..api import plan, simulate
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
-from .local import Placed, place
+from .local import Placed, place, release_points
 
 if TYPE_CHECKING:
     from . import ParallelStep
@@ -121,7 +121,9 @@ class Tuner:
     def _stop(self, step: ParallelStep, why: str) -> None:
         """End tuning; the running plan's simulated time is recomputed with the refitted costs."""
         self.active = False
-        simulated = simulate(step.graph, step.strategy, step.cluster, step.costs).iteration_s
+        placed = step.placed
+        simulated = simulate(step.graph, step.strategy, step.cluster, step.costs,
+                             release=release_points(placed.lowered, placed.programs)).iteration_s
         step.placed = replace(step.placed, simulated_s=simulated)
         self.log(f"tune: done ({why}); {_describe(step.placed)} simulated with the refitted costs: "
                  f"{simulated * 1e3:.1f} ms")
