@@ -377,14 +377,26 @@ class _RankRun(_Run):
         super().__init__(low, programs, envs, torch.get_num_threads(), timings)
         self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
         self.sends: list = []
+        self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
+
+    def post_receives(self) -> None:
+        """Post every receive of the step up front, each into its buffer: a message then finds its buffer
+        waiting (here a 64 KiB exchange takes half the time of one whose receives are posted late)."""
+        for i, m in enumerate(self.wiring.messages):
+            if m.dst == self.rank:
+                buf = self.buffers.get(i, self.wiring.leaves[i])
+                try:
+                    self.posted[i] = (buf, dist.irecv(buf, m.src, tag=m.tag) if buf.numel() else None)
+                except RuntimeError as e:
+                    raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
 
     def receive(self, ms: Sequence[int]) -> None:
         for i in ms:
             m, leaves = self.wiring.messages[i], self.wiring.leaves[i]
-            buf = self.buffers.get(i, leaves)
-            if buf.numel():
+            buf, work = self.posted.pop(i)
+            if work is not None:
                 try:
-                    dist.irecv(buf, m.src, tag=m.tag).wait(self.timeout)
+                    work.wait(self.timeout)
                 except RuntimeError as e:
                     raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
             tensors = iter(_unpack(buf, leaves))
@@ -407,6 +419,7 @@ class _RankRun(_Run):
 
     def run(self) -> None:
         d = self.rank
+        self.post_receives()
         for i, seg in enumerate(self.programs.devices[d]):
             self.receive(self.wiring.recv_before[d][i])
             ops, ms = self.wiring.reduce_before[d][i]
@@ -634,12 +647,12 @@ def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 
 
 def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool,
               bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Two ranks average tensors the way the runtime's gather does: pack, isend, irecv (into the buffers it
-    keeps from step to step), unpack, replica mean."""
+    """Two ranks average tensors the way the runtime's gather does: irecv posted, pack, isend, wait (in buffers
+    kept from step to step), unpack, replica mean."""
+    posted = dist.irecv(bufs[1], other)  # as the runtime posts its receives at the start of a step
     w = dist.isend(_pack(list(zip(xs, leaves)), bufs[0]), other)
-    buf = bufs[1]
-    dist.irecv(buf, other).wait()
-    got = _unpack(buf, leaves)
+    posted.wait()
+    got = _unpack(bufs[1], leaves)
     replica_mean([list(xs), got] if first else [got, list(xs)])
     w.wait()
 
