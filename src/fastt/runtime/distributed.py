@@ -471,7 +471,8 @@ class DistributedStep:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
         self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
-        # What the tuner reads and replaces, as on a local ParallelStep (its log and decisions are rank 0's).
+        # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and decisions
+        # are rank 0's).
         self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
         self._placed, self.wiring, self.buffers = placed, wiring, _Buffers(wiring, self.rank)
 
@@ -497,13 +498,13 @@ class DistributedStep:
         return self.placed.simulated_s
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        t0 = time.perf_counter()
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         r = low.replicas
         envs = replica_envs(low, programs, params, buffers, states, batch)
         tuning = self.tuner is not None and self.tuner.active
-        t0 = time.perf_counter()
         run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
                        [] if tuning else None)
         with torch.no_grad():
