@@ -176,6 +176,8 @@ def main() -> None:
     a = ap.parse_args()
     cmd = "python benchmarks/runtime.py"
     path = ROOT / "out" / ("runtime-small.json" if a.small else "runtime.json")
+    if (a.only or a.render) and not path.is_file():
+        sys.exit(f"{path} is missing: run `{cmd}` (everything) first")
     if a.only:
         out = json.loads(path.read_text())
         out["accuracy"] = accuracy(["mlp", "lenet"] if a.small else list(zoo.NAMES), 2 if a.small else 10)

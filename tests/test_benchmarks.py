@@ -41,6 +41,8 @@ def test_distributed_benchmark_small() -> None:
     out = subprocess.run([sys.executable, "benchmarks/distributed.py", "--small"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["median_abs_error"] >= 0 and set(summary["fastt_over_one_process"]) == {"mlp"}
+    assert summary["median_abs_error"] >= 0 and summary["median_abs_error_with_dpos"] >= 0
+    assert set(summary["fastt_over_one_process"]) == {"mlp"}
     rows = json.loads((ROOT / "out/distributed-small.json").read_text())["rows"]
-    assert {r["planner"] for r in rows[0]["results"]} == {"fastt", "dp", "single", "eager"}
+    assert {r["planner"] for r in rows[0]["results"]} == {"fastt", "dp", "single", "dpos", "eager"}
+    assert set(rows[0]["gather"]) == {"latency_s", "s_per_byte", "s_per_tensor"}
