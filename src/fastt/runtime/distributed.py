@@ -685,8 +685,8 @@ def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
 
 
 def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
-    """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the cost per byte
-    grows with the size (caches, socket buffers), and the megabytes that gradients come in are what matter."""
+    """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the megabytes that
+    gradients come in are what matter, and the cost per byte of small exchanges (from cache) is lower."""
     secs = np.asarray(seconds, dtype=float)
     a_mat = np.array([(1.0, b, k) for b, k in points], dtype=float)
     coef, *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
@@ -697,9 +697,9 @@ def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> t
 def gloo_cluster() -> Cluster:
     """The process group's ranks as a Cluster: a CPU device per rank (its cores, calibrated), nodes from torchrun's
     LOCAL_WORLD_SIZE, one link per (ordered) pair of nodes, whose latency and bandwidth are fitted (least squares)
-    on gloo transfers measured for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to the first rank of node 1).
-    Gradients are averaged by gather (`Cluster.gather`), as `wire` does it, fitted on measured exchanges
-    (`measure_gather`). Every rank calls it; all get rank 0's numbers."""
+    on gloo transfers measured for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to
+    the first rank of node 1). Gradients are averaged by gather (`Cluster.gather`), as `wire` does it, fitted on
+    measured exchanges (`measure_gather`). Every rank calls it; all get rank 0's numbers."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = [r // per_node for r in range(world)]
