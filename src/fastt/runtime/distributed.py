@@ -445,6 +445,8 @@ class _RankRun(_Run):
         mine = [i for i in self.wiring.final if self.wiring.messages[i].src == d]
         self.send(mine)
         self.receive([i for i in self.wiring.final if self.wiring.messages[i].dst == d])
+        if self.posted:  # a receive left posted would take the next step's message of its tag
+            raise RankError(f"messages {sorted(self.posted)[:5]} were posted but never read (a wiring bug)")
         for _, w in self.sends:
             try:
                 w.wait(self.timeout)
