@@ -120,6 +120,15 @@ def test_fork_transfers_contend_only_on_a_shared_link(shared: bool, ends: tuple[
     assert at(tl, g, "b")[0] == ends[0] and at(tl, g, "c")[0] == ends[1]
 
 
+def replicated(b: Builder, n: int) -> tuple[OpGraph, Strategy]:
+    """replicate() of the step `b` built: each replica on its device, every parameter held everywhere."""
+    g = replicate(b.graph(), n)
+    placement = {op.name: int(op.name[1:op.name.index("/")]) for op in g.ops
+                 if op.kind not in RESIDENT and op.kind != ALLREDUCE}
+    params = {op.name: tuple(range(n)) for op in b.ops if op.kind == PARAM}
+    return g, plan(g, n, placement, holders=params)
+
+
 def data_parallel_step(n: int, grad_bytes: int) -> tuple[OpGraph, Strategy]:
     """replicate() of a one-parameter step: each replica on its device, the parameter held everywhere."""
     b = Builder()
@@ -127,10 +136,7 @@ def data_parallel_step(n: int, grad_bytes: int) -> tuple[OpGraph, Strategy]:
     b.add("x", INPUT, out=10)
     b.add("grad", inputs={"w": grad_bytes, "x": 10}, out=grad_bytes)
     b.add("update", UPDATE, inputs={"w": grad_bytes, "grad": grad_bytes}, updates=("w",))
-    g = replicate(b.graph(), n)
-    placement = {op.name: int(op.name[1:op.name.index("/")]) for op in g.ops
-                 if op.kind not in RESIDENT and op.kind != ALLREDUCE}
-    return g, plan(g, n, placement, holders={"w": tuple(range(n))})
+    return replicated(b, n)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -158,10 +164,7 @@ def two_gradient_step(n: int) -> tuple[OpGraph, Strategy]:
     b.add("g2", inputs={"w2": 1000, "g1": 3000}, out=1000)
     b.add("u1", UPDATE, inputs={"w1": 3000, "g1": 3000}, updates=("w1",))
     b.add("u2", UPDATE, inputs={"w2": 1000, "g2": 1000}, updates=("w2",))
-    g = replicate(b.graph(), n)
-    placement = {op.name: int(op.name[1:op.name.index("/")]) for op in g.ops
-                 if op.kind not in RESIDENT and op.kind != ALLREDUCE}
-    return g, plan(g, n, placement, holders={"w1": tuple(range(n)), "w2": tuple(range(n))})
+    return replicated(b, n)
 
 
 def test_released_gradients_are_reduced_together_after_their_segment() -> None:

@@ -43,7 +43,7 @@ from ..graph import OpGraph
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, replica_envs, replica_mean
+from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean
 from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -557,8 +557,6 @@ class DistributedStep:
         rank's placement of it, if made already): it is placed and wired, and every rank takes rank 0's model and
         optimizer state, since the others only kept what their devices read."""
         if placed is None:
-            from .local import place
-
             placed = place(self.graph, strategy, self.cluster, self.costs)
         self.placed = placed
         _check_same(self.wiring)
@@ -674,8 +672,8 @@ def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
     for k, f in shapes:
         xs = [torch.rand(f) for _ in range(k)]
         leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
-        bufs = (torch.empty(_packed_size(leaves), dtype=torch.uint8), torch.empty(_packed_size(leaves),
-                                                                                  dtype=torch.uint8))
+        size = _packed_size(leaves)
+        bufs = (torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8))
         ts = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -789,8 +787,6 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
                  tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
-    from .local import place
-
     placed = place(graph, strategy, cl, costs)
     wiring = wire(placed.lowered, placed.programs)
     _check_same(wiring)
