@@ -114,7 +114,15 @@ def render(data: dict) -> str:
                    "only, so it puts such plans far under their measured time (dpos rows), and the planner, which "
                    "also sends per op and reduces per gradient, can prefer them. Before training, `fastt` races its plan against data "
                    "parallelism for a few steps and keeps the faster (FastT's rule); with `--tune` it runs FastT's "
-                   "tuning loop during training instead.")]
+                   "tuning loop during training instead."),
+              "", "## NCCL", "",
+              ("The same runtime runs a GPU per rank over NCCL (`torchrun ... -m fastt.launch --device cuda`, "
+               "`fastt run --devices cuda --launcher torchrun`): each direction between two ranks has its own "
+               "process group, receives are posted in the order the sender sends (NCCL matches by order, not "
+               "tag), and a rank queues its GPU work and polls its messages at the end of the step. **Not "
+               "measured and not yet run on GPUs**: this machine has none, and NCCL cannot put two ranks on one "
+               "GPU. The message order it needs is checked here, over gloo, which runs the same way (no tags). "
+               "`tests/test_distributed.py` has the NCCL tests (skipped without GPUs).")]
     return "\n".join(lines) + "\n"
 
 

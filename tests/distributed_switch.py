@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fastt.api import plan
 from fastt.cli import load_workload
-from fastt.runtime.distributed import gloo_cluster, parallelize_distributed
+from fastt.runtime.distributed import parallelize_distributed, rank_cluster
 from fastt.runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
 
 SWITCH = {3: "single", 6: "dp"}  # step -> the plan every rank runs from that step on
@@ -31,7 +31,7 @@ def main(name: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     _, model, loss_fn, opt, inputs = make(name)
-    cl = gloo_cluster()
+    cl = rank_cluster()
     step = parallelize_distributed(model, loss_fn, opt, inputs, "dp", cl=cl)
     plans = {"dp": step.strategy, "single": plan(step.graph, cl, "single")}
     ref = make(name) if rank == 0 else None

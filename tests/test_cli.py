@@ -244,3 +244,5 @@ def test_run_with_torchrun_launches_one_process_per_device(tmp_path: Path) -> No
     assert [x["planner"] for x in out["results"]] == ["dp", "eager"] and out["max_param_rel_diff"] == 0.0
     bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--launcher", "torchrun", cwd=tmp_path)
     assert bad.returncode == 2 and "--launcher torchrun runs cpu:N" in bad.stderr
+    twice = fastt("run", "--model", "mlp", "--devices", "cuda:0,0", "--launcher", "torchrun", cwd=tmp_path)
+    assert twice.returncode == 2 and "one rank per GPU" in twice.stderr

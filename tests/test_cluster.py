@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -171,6 +172,10 @@ def test_cuda_with_faked_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [d.name for d in c.devices] == ["cuda:0", "cuda:0/1", "cuda:1"] and all_pairs_routed(c)
     assert c.devices[0].memory_bytes == c.devices[1].memory_bytes == 34_089_730_048 // 2
     assert [torch_device(d) for d in c.devices] == ["cuda:0", "cuda:0", "cuda:1"]
+    ranks = [dataclasses.replace(d, name=f"rank:{r}@cuda:{r % 2}") for r, d in enumerate(c.devices)]  # NCCL ranks
+    assert [torch_device(d) for d in ranks] == ["cuda:0", "cuda:1", "cuda:0"]
+    with pytest.raises(FasttError, match="simulated"):
+        torch_device(dataclasses.replace(c.devices[0], name="rank:0"))
     assert c.links[c.route(0, 1)[0]].name == "stream:0->1" and c.route(1, 2) == c.route(0, 2)
     assert c.transfer_time(0, 1, 450e6) == pytest.approx(5e-6 + 1e-3)  # half of 900 GB/s
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from . import api
-from .cluster import Cluster, cluster
+from .cluster import Cluster, cluster, cuda_cluster
 from .cost import MeasuredCosts, calibrate_cpu
 from .errors import FasttError
 from .graph import OpGraph
@@ -260,17 +261,29 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
     """`fastt run` with one process per device: torchrun on this machine running `python -m fastt.launch`."""
-    m = re.fullmatch(r"cpu:(\d+)", a.devices.strip())
-    if m is None:
-        raise FasttError("--launcher torchrun runs cpu:N (one process per CPU device, gloo)")
+    spec, env = a.devices.strip().lower(), dict(os.environ)
+    if m := re.fullmatch(r"cpu:(\d+)", spec):
+        nproc, device = int(m[1]), "cpu"
+    elif m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", spec):  # a GPU per rank: those named, or all
+        ids = None if m[1] is None else [int(i) for i in m[1].split(",")]
+        if ids is not None and len(set(ids)) < len(ids):
+            raise FasttError(f"--launcher torchrun runs one rank per GPU (NCCL cannot put two on one): {a.devices} "
+                             "names a GPU twice; use --launcher local for streams of one GPU")
+        nproc, device = len(cuda_cluster(ids)), "cuda"
+        if m[1] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = m[1]
+    else:
+        raise FasttError("--launcher torchrun runs cpu:N (a process per CPU device, gloo) or cuda[:i,j,...] "
+                         "(a process per GPU, NCCL)")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", m[1],
-               "-m", "fastt.launch", "--model", a.model, "--size", a.size, "--optimizer", a.optimizer,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "fastt.launch", "--device", device, "--model", a.model, "--size", a.size,
+               "--optimizer", a.optimizer,
                "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
                "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
                *(["--check"] if a.check else []), *(["--tune"] if a.tune else [])]
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
         if r.returncode != 0 or not out_path.is_file():
             said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]
             raise FasttError("torchrun failed: " + ("; ".join(said) if said else r.stderr.strip()[-2000:]))
@@ -357,7 +370,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--launcher", default="local", choices=("local", "torchrun"),
-                   help="local: one process, a thread per device; torchrun: one process per device over gloo "
+                   help="local: one process, a thread per device; torchrun: one process per device (gloo on cpu:N, NCCL on cuda) "
                         "(python -m fastt.launch; multi-node: run torchrun yourself on every node)")
     p.add_argument("--timeout", type=float, default=20.0, help="torchrun: seconds a rank waits for a peer")
     p.add_argument("--size", default="test", choices=("test", "paper"))

@@ -349,11 +349,13 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
 
 
 def torch_device(dev: Device) -> str:
-    """The torch device a device of a local cluster runs on ("cpu", "cuda:0"); streams of one GPU share it."""
-    if dev.kind not in ("cpu", "cuda"):
+    """The torch device a device of a local cluster runs on ("cpu", "cuda:0"): a GPU device is named after its
+    GPU (`cuda:0`; streams of one GPU: `cuda:0/1`; a rank of the distributed runtime: `rank:2@cuda:0`)."""
+    gpu = re.search(r"cuda:\d+", dev.name) if dev.kind == "cuda" else None
+    if dev.kind != "cpu" and gpu is None:
         raise FasttError(f"device {dev.name} is simulated: the local runtime runs cpu:N or local cuda devices "
                          "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
-    return "cpu" if dev.kind == "cpu" else dev.name.split("/")[0]
+    return "cpu" if gpu is None else gpu[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

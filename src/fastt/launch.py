@@ -1,6 +1,7 @@
-"""Train a model with fastt's plans over torch.distributed, one process per device (gloo on CPU):
+"""Train a model with fastt's plans over torch.distributed, one process per device (gloo on CPU, NCCL on GPU):
 
     torchrun --nproc-per-node 2 -m fastt.launch --model mlp --size test --planners fastt,dp --steps 50 --check
+    torchrun --nproc-per-node 4 -m fastt.launch --device cuda --model bert-base --steps 50   # a GPU per rank
 
 Every rank builds the same workload (seed 0) and the same batches; rank 0 prints the result (as `fastt run` does)
 and, with `--out`, writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
@@ -33,6 +34,17 @@ from .errors import FasttError
 from .strategy import Strategy
 
 
+def _use_gpu() -> None:
+    """Make GPU LOCAL_RANK this process's device, refusing more ranks on a node than it has GPUs (NCCL cannot
+    run two ranks of a group on one GPU)."""
+    local, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < per_node:
+        raise SystemExit(f"fastt: --device cuda runs one rank per GPU: {per_node} ranks on this node, but "
+                         f"{have} GPU(s) visible")
+    torch.cuda.set_device(local)
+
+
 def _fault(rank: int, step: int) -> None:
     spec = os.environ.get("FASTT_FAULT", "")
     if not spec:
@@ -49,16 +61,17 @@ def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
     from .cli import load_workload
     from .runtime.bench import check_against_eager
-    from .runtime.distributed import gloo_cluster, parallelize_distributed
+    from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
     from .runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
 
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), rank_device()
 
-    def make() -> tuple:
+    def make() -> tuple:  # on this rank's device (the optimizer holds the same Parameters)
         torch.manual_seed(0)
-        return load_workload(args.model, args.size, args.batch, args.optimizer)
+        name, model, loss_fn, opt, inputs = load_workload(args.model, args.size, args.batch, args.optimizer)
+        return name, model.to(device), loss_fn, opt, tuple(x.to(device) for x in inputs)
 
-    cl = gloo_cluster()
+    cl = rank_cluster(device)
     results, worst = [], 0.0
     for planner in args.planners.split(","):
         name, model, loss_fn, opt, inputs = make()
@@ -74,7 +87,7 @@ def train(args: argparse.Namespace) -> dict | None:
         if args.save_plans and rank == 0:
             os.makedirs(args.save_plans, exist_ok=True)
             step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
-        batches = [batch_like(inputs, i) for i in range(args.steps)]
+        batches = [tuple(x.to(device) for x in batch_like(inputs, i)) for i in range(args.steps)]
         ref = make() if args.check_steps and rank == 0 else None
         times, step_diffs, replicas, tuned = [], [], [], 0
         for i, b in enumerate(batches):
@@ -87,7 +100,7 @@ def train(args: argparse.Namespace) -> dict | None:
             dist.barrier()
             t0 = time.perf_counter()
             _fault(rank, i)  # the others are in the step, waiting for this rank
-            step(*b)
+            step(*b)  # on a GPU it ends once the GPU is done
             dist.barrier()
             times.append(time.perf_counter() - t0)
             tuned += step.tuner is not None and step.tuner.active
@@ -103,8 +116,8 @@ def train(args: argparse.Namespace) -> dict | None:
             results[-1]["max_step_rel_diff"] = max(step_diffs)
             worst = max(worst, max(step_diffs))
         if args.check and rank == 0:
-            diff = check_against_eager(make, "cpu", initial, batches, replicas,
-                          torch.get_num_threads(), model)
+            diff = check_against_eager(make, str(device), initial, batches, replicas, torch.get_num_threads(),
+                                       model)
             results[-1]["max_param_rel_diff"] = diff
             worst = max(worst, diff)
         dist.barrier()
@@ -120,15 +133,14 @@ def train(args: argparse.Namespace) -> dict | None:
 
 def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
     """Rank 0's median eager step time (after the first); the other ranks wait."""
+    from .runtime.bench import _timed
     from .runtime.reference import batch_like, eager_step
 
     times = []
     if dist.get_rank() == 0:
         for i in range(steps):
-            b = batch_like(inputs, i)
-            t0 = time.perf_counter()
-            eager_step(model, loss_fn, opt, b)
-            times.append(time.perf_counter() - t0)
+            b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
+            times.append(_timed(eager_step, model, loss_fn, opt, b))
     dist.barrier()
     return statistics.median(times[1:] or times) if times else 0.0
 
@@ -136,6 +148,8 @@ def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastt.launch", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mlp", help="zoo name or path/to/file.py:function")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: a CPU device per rank over gloo; cuda: GPU LOCAL_RANK per rank over NCCL")
     p.add_argument("--size", default="test", choices=["test", "paper"])
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
@@ -161,14 +175,18 @@ def main(argv: list[str] | None = None) -> None:
     from .cli import format_run
     from .runtime.distributed import RankError, record_failure, start_heartbeat
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    if args.device == "cuda":
+        _use_gpu()
+    # NCCL for GPU tensors; gloo for the CPU's (the store-side control: plans, timings, barriers' objects).
+    backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     stop_heartbeat = start_heartbeat()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         out = train(args)
     except (RankError, FasttError, Exception) as e:  # noqa: BLE001 - every failure ends the job, named
-        lost = isinstance(e, RuntimeError) and "gloo" in str(e)  # a collective (barrier) lost a peer
+        lost = isinstance(e, RuntimeError) and ("gloo" in str(e) or "NCCL" in str(e))  # a barrier lost a peer
         msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost)
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
         os._exit(1)

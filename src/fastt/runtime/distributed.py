@@ -1,4 +1,5 @@
-"""The distributed runtime: one process per device over torch.distributed (gloo on CPU), launched by torchrun.
+"""The distributed runtime: one process per device over torch.distributed (gloo on CPU, NCCL on GPU), launched
+by torchrun.
 
 Every rank builds the same model, captures the same step and compiles the same programs as the local runtime
 (`local.compile_programs`); rank d runs device d's segments. What the local runtime hands over in memory goes by
@@ -11,6 +12,10 @@ point-to-point messages, all known before the first step (`wire`):
   order, so all of them hold the same mean, bit for bit the local runtime's (and eager data parallelism's).
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
+
+Messages carry no tags: each direction between two ranks has a process group of its own (`directions`), whose
+messages are received in the order they are sent (`Wiring.inbox`), which is how NCCL matches them; gloo runs
+the same way. On a GPU a rank only queues work (a receive makes its stream wait) and waits at the end of the step.
 
 A rank that fails records the job's first failure in the process group's store and raises `RankError` (the
 launcher exits non-zero); its peers then lose it in turn and report that first failure. Every wait has a timeout,
@@ -36,7 +41,7 @@ import torch.distributed as dist
 from torch._guards import detect_fake_mode
 
 from ..capture import bind
-from ..cluster import Cluster, Link, cpu_cluster
+from ..cluster import Cluster, Link, cpu_cluster, cuda_cluster
 from ..cost import MeasuredCosts, calibrate_cpu, fit_transfers
 from ..errors import FasttError
 from ..graph import OpGraph
@@ -60,12 +65,11 @@ class LostPeer(RankError):
 
 @dataclass(frozen=True)
 class Message:
-    """Values (replica, name) going from rank `src` to rank `dst` in one buffer; `tag` is its index in the step."""
+    """Values (replica, name) going from rank `src` to rank `dst` in one buffer."""
 
     src: int
     dst: int
     values: tuple[tuple[int, str], ...]
-    tag: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Wiring:
     chunks: tuple[tuple[tuple, ...], ...] = ()
     merge: tuple[tuple[tuple, ...], ...] = ()
     leaves: tuple[tuple, ...] = ()  # per message, the (shape, stride, dtype) of every tensor in its buffer
+    inbox: tuple[tuple[int, ...], ...] = ()  # per rank, the messages it receives, in the order they are sent
 
 
 class _Post:
@@ -115,7 +120,7 @@ class _Post:
         out = []
         for (src, seg), values in groups.items():
             out.append(len(self.messages))
-            self.messages.append(Message(src, d, tuple(values), len(self.messages)))
+            self.messages.append(Message(src, d, tuple(values)))
             if not at_end:
                 self.send_after[src][seg].append(out[-1])
         return tuple(out)
@@ -205,7 +210,14 @@ def _packed_size(leaves: Sequence) -> int:
     return sum(_nbytes(leaf) for leaf in leaves)
 
 
-_PAD = torch.zeros(ALIGN, dtype=torch.uint8)
+_PADS: dict[torch.device, torch.Tensor] = {}
+
+
+def _pad(n: int, device: torch.device) -> torch.Tensor:
+    pad = _PADS.get(device)
+    if pad is None:
+        pad = _PADS[device] = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+    return pad[:n]
 
 
 def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,12 +233,12 @@ def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]], out: torch.
             flat = x.contiguous().view(-1)
         else:
             if tuple(x.stride()) != tuple(stride):
-                x = torch.empty_strided(shape, stride, dtype=x.dtype).copy_(x)
+                x = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).copy_(x)
             flat = _wire_view(x)
         raw = flat.view(torch.uint8)
         pieces.append(raw)
         if _nbytes(leaf) > raw.numel():
-            pieces.append(_PAD[:_nbytes(leaf) - raw.numel()])
+            pieces.append(_pad(_nbytes(leaf) - raw.numel(), raw.device))
     if not pieces:
         return torch.empty(0, dtype=torch.uint8)
     return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
@@ -248,7 +260,8 @@ def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
             out.append(view.as_strided(shape, stride, at))
         else:
             numel = torch.Size(shape).numel()
-            out.append(torch.empty_strided(shape, stride, dtype=dtype).copy_(view[at:at + numel].view(shape)))
+            out.append(torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
+                       .copy_(view[at:at + numel].view(shape)))
         off += _nbytes(leaf)
     return out
 
@@ -286,9 +299,12 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
     shapes = {(k, name): shapes[name] for k, name in values}
     leaves = tuple(tuple(leaf for v in m.values for leaf in shapes[v][1]) for m in post.messages)
+    # A rank sends segment by segment, then its end-of-step messages: the order each direction carries them in.
+    sent = [i for segs in post.send_after for ms in segs for i in ms] + final
+    inbox = tuple(tuple(i for i in sent if post.messages[i].dst == d) for d in range(len(programs.devices)))
     return Wiring(tuple(post.messages), tuple(recv_before), tuple(reduce_before),
                   tuple(tuple(tuple(x) for x in segs) for segs in post.send_after), tuple(final), keep,
-                  shapes, chunks, merge, leaves)
+                  shapes, chunks, merge, leaves, inbox)
 
 
 def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
@@ -352,23 +368,54 @@ class _Buffers:
     (16 MiB: about 6 ms here). Not for messages that carry a value this rank keeps after the step (a new
     parameter is a view of the buffer): those get a fresh one each time."""
 
-    def __init__(self, wiring: Wiring, rank: int) -> None:
+    def __init__(self, wiring: Wiring, rank: int, device: torch.device) -> None:
         kept = set(wiring.keep[rank].values())
         self.fresh = frozenset(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values))
         self.kept: dict[int, torch.Tensor] = {}
+        self.device = device
 
     def get(self, i: int, leaves: Sequence) -> torch.Tensor:
         """Message i's buffer (its sends have completed, its values of the last step are gone)."""
         if i in self.fresh:
-            return torch.empty(_packed_size(leaves), dtype=torch.uint8)
+            return torch.empty(_packed_size(leaves), dtype=torch.uint8, device=self.device)
         buf = self.kept.get(i)
         if buf is None:
-            buf = self.kept[i] = torch.empty(_packed_size(leaves), dtype=torch.uint8)
+            buf = self.kept[i] = torch.empty(_packed_size(leaves), dtype=torch.uint8, device=self.device)
         return buf
 
 
+_DIRECTIONS: list = [None, {}]  # [the process group they belong to, {(src, dst): group}]
+
+
+def directions(device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A process group of two ranks for every ordered pair (src, dst), carrying only messages from src to dst.
+    NCCL matches the messages between two ranks by their order alone (it ignores tags) and runs a group's
+    operations in order on one stream. With a group per direction, each direction is a queue whose sends and
+    receives pair off one for one, in the order the sender sends (`Wiring.inbox`), and no receive waits behind a
+    send going the other way: in one group for both directions, two ranks that both post their receives first
+    deadlock. Gloo runs the same way. Every rank makes them together, once per process group, and connects each
+    with one message, in one order on all ranks: NCCL connects a group on its first message, so a rank that
+    posted its receives first would wait for a peer that waits for it."""
+    if _DIRECTIONS[0] is dist.group.WORLD:
+        return _DIRECTIONS[1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {pair: dist.new_group(list(pair)) for pair in itertools.permutations(range(world), 2)}
+    one = torch.zeros(1, device=device)
+    for (src, dst), g in groups.items():
+        if rank == src:
+            dist.isend(one, dst, group=g).wait()
+        elif rank == dst:
+            dist.irecv(one, src, group=g).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    _DIRECTIONS[:] = [dist.group.WORLD, groups]
+    return groups
+
+
 class _RankRun(_Run):
-    """One step on this rank: its device's segments, with the wiring's messages instead of shared memory."""
+    """One step on this rank: its device's segments, with the wiring's messages instead of shared memory.
+    On a GPU the rank only queues work: a receive makes the rank's stream wait for it, and the step ends by
+    waiting (at most the timeout) for every message and the GPU."""
 
     signalled = False
 
@@ -376,19 +423,23 @@ class _RankRun(_Run):
                  timeout: timedelta, buffers: _Buffers, timings: list | None = None) -> None:
         super().__init__(low, programs, envs, torch.get_num_threads(), timings)
         self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
-        self.sends: list = []
+        self.groups = directions(buffers.device)
+        self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
+        self.received: list = []  # (message, its receive) on a GPU, to wait for at the end
 
     def post_receives(self) -> None:
-        """Post every receive of the step up front, each into its buffer: a message then finds its buffer
-        waiting (here a 64 KiB exchange takes half the time of one whose receives are posted late)."""
-        for i, m in enumerate(self.wiring.messages):
-            if m.dst == self.rank:
-                buf = self.buffers.get(i, self.wiring.leaves[i])
-                try:
-                    self.posted[i] = (buf, dist.irecv(buf, m.src, tag=m.tag) if buf.numel() else None)
-                except RuntimeError as e:
-                    raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
+        """Post every receive of the step up front, each into its buffer, in the order the senders send them:
+        a message then finds its buffer waiting (here a 64 KiB exchange takes half the time of one whose
+        receives are posted late)."""
+        for i in self.wiring.inbox[self.rank]:
+            m = self.wiring.messages[i]
+            buf = self.buffers.get(i, self.wiring.leaves[i])
+            try:
+                self.posted[i] = (buf, dist.irecv(buf, m.src, group=self.groups[m.src, m.dst])
+                                  if buf.numel() else None)
+            except RuntimeError as e:
+                raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
 
     def receive(self, ms: Sequence[int]) -> None:
         for i in ms:
@@ -396,7 +447,11 @@ class _RankRun(_Run):
             buf, work = self.posted.pop(i)
             if work is not None:
                 try:
-                    work.wait(self.timeout)
+                    if self.cuda:  # the stream waits, not the rank: see `finish`
+                        work.wait()
+                        self.received.append((i, work))
+                    else:
+                        work.wait(self.timeout)
                 except RuntimeError as e:
                     raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
             tensors = iter(_unpack(buf, leaves))
@@ -411,7 +466,7 @@ class _RankRun(_Run):
                      zip(torch.utils._pytree.tree_leaves(self.envs[v[0]][v[1]]), self.wiring.shapes[v][1])]
             buf = _pack(pairs, self.buffers.get(i, self.wiring.leaves[i]))
             if buf.numel():
-                self.sends.append((buf, dist.isend(buf, m.dst, tag=m.tag)))
+                self.sends.append((i, buf, dist.isend(buf, m.dst, group=self.groups[m.src, m.dst])))
 
     def reduce(self, ops: Sequence[int]) -> None:
         names = [name for a in ops for name in self.low.allreduces[a]]
@@ -419,6 +474,15 @@ class _RankRun(_Run):
 
     def run(self) -> None:
         d = self.rank
+        if self.cuda:  # after what the caller queued (the batch)
+            self.streams[d].wait_stream(torch.cuda.current_stream(self.programs.targets[d]))
+            with torch.cuda.stream(self.streams[d]):
+                self._run(d)
+        else:
+            self._run(d)
+        self.finish()
+
+    def _run(self, d: int) -> None:
         self.post_receives()
         for i, seg in enumerate(self.programs.devices[d]):
             self.receive(self.wiring.recv_before[d][i])
@@ -426,32 +490,42 @@ class _RankRun(_Run):
             if ops:
                 self.receive(ms)
                 self.reduce(ops)
-            t0 = time.perf_counter()
-            try:
-                if seg.fn is None:
-                    for t in seg.tasks:
-                        self.interpret(t, d)
-                else:
-                    env = self.envs[seg.replica]
-                    env.update(zip(seg.outputs, seg.fn(*[env[name] for name in seg.inputs])))
-            except Exception as e:
-                name = (self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name
+            if not self.run_segment(seg, d):
+                name, _, e = self.error
                 raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
-            if self.timings is not None:
-                self.timings.append((i, time.perf_counter() - t0))
             self.send(self.wiring.send_after[d][i])
         for x, name, dim, k, parts in self.wiring.chunks[d]:
             self.envs[0][name] = torch.tensor_split(self.envs[0][x], parts, dim)[k]
         mine = [i for i in self.wiring.final if self.wiring.messages[i].src == d]
         self.send(mine)
         self.receive([i for i in self.wiring.final if self.wiring.messages[i].dst == d])
-        if self.posted:  # a receive left posted would take the next step's message of its tag
+        if self.posted:  # a receive left posted would take the next step's message
             raise RankError(f"messages {sorted(self.posted)[:5]} were posted but never read (a wiring bug)")
-        for _, w in self.sends:
-            try:
-                w.wait(self.timeout)
-            except RuntimeError as e:
-                raise LostPeer(f"a send failed ({type(e).__name__}: {e})") from e
+
+    def finish(self) -> None:
+        """Wait for every send (and on a GPU every receive, then the GPU) within the timeout; segment timings
+        become (segment index, seconds)."""
+        if self.cuda:
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            for i, w in [*self.received, *((i, w) for i, _, w in self.sends)]:
+                while not w.is_completed():
+                    if time.monotonic() > deadline:
+                        m = self.wiring.messages[i]
+                        peer = m.src if m.dst == self.rank else m.dst
+                        raise LostPeer(f"rank {peer} exchanged nothing for {self.timeout.total_seconds():g} s "
+                                       f"(message with '{m.values[0][1]}'): rank {peer} is stalled or dead")
+                    time.sleep(1e-4)
+            torch.cuda.synchronize(self.programs.targets[self.rank])
+        else:
+            for i, _, w in self.sends:
+                try:
+                    w.wait(self.timeout)
+                except RuntimeError as e:
+                    raise LostPeer(f"a send to rank {self.wiring.messages[i].dst} failed "
+                                   f"({type(e).__name__}: {e})") from e
+        if self.timings is not None:
+            self.timings[:] = [(k, t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3)
+                               for k, (_, _, t) in enumerate(self.timings)]
 
 
 def _lost(src: int, name: str, e: BaseException, timeout: timedelta) -> str:
@@ -476,7 +550,7 @@ class DistributedStep:
         # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and decisions
         # are rank 0's).
         self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
-        self._placed, self.wiring, self.buffers = placed, wiring, _Buffers(wiring, self.rank)
+        self._placed, self.wiring, self.buffers = placed, wiring, _Buffers(wiring, self.rank, placed.programs.targets[self.rank])
 
     @property
     def placed(self) -> Placed:
@@ -489,7 +563,7 @@ class DistributedStep:
         self._placed = placed
         if not same:
             self.wiring = wire(placed.lowered, placed.programs)
-            self.buffers = _Buffers(self.wiring, self.rank)
+            self.buffers = _Buffers(self.wiring, self.rank, placed.programs.targets[self.rank])
 
     @property
     def strategy(self) -> Strategy:
@@ -616,42 +690,59 @@ def silent_ranks(store, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
     return [r for r, k, b in zip(ranks, keys, before) if b and store.add(k, 0) == b]
 
 
-def _hop(x: torch.Tensor, other: int, sending: bool) -> None:
+def rank_device() -> torch.device:
+    """The device this rank runs on: its current GPU when the process group runs NCCL, else the CPU."""
+    if "nccl" in dist.get_backend():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronized(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _hop(x: torch.Tensor, other: int, sending: bool, groups: dict) -> None:
     """One message of x between this rank and `other`, the way the runtime sends one."""
     leaf = [(x.shape, x.stride(), x.dtype)]
+    rank = dist.get_rank()
     if sending:
-        dist.isend(_pack([(x, leaf[0])]), other).wait()
+        dist.isend(_pack([(x, leaf[0])]), other, group=groups[rank, other]).wait()
     else:
-        buf = torch.empty(_packed_size(leaf), dtype=torch.uint8)
-        dist.irecv(buf, other).wait()
+        buf = torch.empty(_packed_size(leaf), dtype=torch.uint8, device=x.device)
+        dist.irecv(buf, other, group=groups[other, rank]).wait()
         _unpack(buf, leaf)
 
 
-def measure_gloo(peer: int, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
-                 repeats: int = 5) -> tuple[list[int], list[float]]:
+def measure_p2p(peer: int, groups: dict, device: torch.device,
+                sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24),
+                repeats: int = 5) -> tuple[list[int], list[float]]:
     """Seconds a message of each size takes from rank 0 to `peer` the way the runtime sends one (packed into a
     buffer, `isend`, `irecv` into a fresh buffer, unpacked): half a ping-pong, median of repeats. Rank 0 and
-    `peer` call it together, other ranks do not."""
+    `peer` call it together (with `directions(device)`, which every rank makes), other ranks do not."""
     rank, times = dist.get_rank(), []
     other = peer if rank == 0 else 0
     for n in sizes:
-        x = torch.rand(n // 4)
+        x = torch.rand(n // 4, device=device)
         ts = []
         for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            _hop(x, other, rank == 0)
-            _hop(x, other, rank != 0)
-            ts.append((time.perf_counter() - t0) / 2)
+            t0 = _synchronized(device)
+            _hop(x, other, rank == 0, groups)
+            _hop(x, other, rank != 0, groups)
+            ts.append((_synchronized(device) - t0) / 2)
         times.append(statistics.median(ts[1:]))
     return list(sizes), times
 
 
 def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool,
-              bufs: tuple[torch.Tensor, torch.Tensor]) -> None:
+              bufs: tuple[torch.Tensor, torch.Tensor], groups: dict) -> None:
     """Two ranks average tensors the way the runtime's gather does: irecv posted, pack, isend, wait (in buffers
     kept from step to step), unpack, replica mean."""
-    posted = dist.irecv(bufs[1], other)  # as the runtime posts its receives at the start of a step
-    w = dist.isend(_pack(list(zip(xs, leaves)), bufs[0]), other)
+    rank = dist.get_rank()
+    posted = dist.irecv(bufs[1], other, group=groups[other, rank])  # as the runtime posts them: at the start
+    w = dist.isend(_pack(list(zip(xs, leaves)), bufs[0]), other, group=groups[rank, other])
     posted.wait()
     got = _unpack(bufs[1], leaves)
     replica_mean([list(xs), got] if first else [got, list(xs)])
@@ -661,24 +752,25 @@ def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, f
 GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
 
 
-def measure_gather(peer: int, shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
+def measure_gather(peer: int, groups: dict, device: torch.device,
+                   shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
                    repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
     """Seconds rank 0 and `peer` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), both at once,
     the way the runtime's gather does (`_exchange`), median of repeats: ([(bytes, tensors)], seconds). Rank 0
-    and `peer` call it together."""
+    and `peer` call it together (as `measure_p2p`)."""
     rank = dist.get_rank()
     other = peer if rank == 0 else 0
     points, times = [], []
     for k, f in shapes:
-        xs = [torch.rand(f) for _ in range(k)]
+        xs = [torch.rand(f, device=device) for _ in range(k)]
         leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
         size = _packed_size(leaves)
-        bufs = (torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8))
+        bufs = tuple(torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2))
         ts = []
         for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            _exchange(xs, leaves, other, rank == 0, bufs)
-            ts.append(time.perf_counter() - t0)
+            t0 = _synchronized(device)
+            _exchange(xs, leaves, other, rank == 0, bufs, groups)
+            ts.append(_synchronized(device) - t0)
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
     return points, times
@@ -694,36 +786,45 @@ def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> t
     return a, b, c
 
 
-def gloo_cluster() -> Cluster:
-    """The process group's ranks as a Cluster: a CPU device per rank (its cores, calibrated), nodes from torchrun's
-    LOCAL_WORLD_SIZE, one link per (ordered) pair of nodes, whose latency and bandwidth are fitted (least squares)
-    on gloo transfers measured for each link class: within a node (rank 0 to rank 1) and between nodes (rank 0 to
-    the first rank of node 1). Gradients are averaged by gather (`Cluster.gather`), as `wire` does it, fitted on
-    measured exchanges (`measure_gather`). Every rank calls it; all get rank 0's numbers."""
+def rank_cluster(device: torch.device | None = None) -> Cluster:
+    """The process group's ranks as a Cluster, one device per rank: its share of a node's cores, calibrated
+    (gloo), or its GPU (NCCL: `rank:R@cuda:I`, costed from the GPU's name, as `cuda_cluster` does). Nodes come
+    from torchrun's LOCAL_WORLD_SIZE; one link per (ordered) pair of nodes, whose latency and bandwidth are
+    fitted (least squares) on messages measured for each link class: within a node (rank 0 to rank 1) and
+    between nodes (rank 0 to the first rank of node 1). Gradients are averaged by gather (`Cluster.gather`), as
+    `wire` does it, fitted on measured exchanges (`measure_gather`). Every rank calls it; all get rank 0's
+    numbers (and on GPUs their own GPU)."""
+    device = device or rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = [r // per_node for r in range(world)]
     peers = {"intra": 1 if world > 1 and node[1] == 0 else None, "inter": per_node if per_node < world else None}
     fitted: dict[str, tuple[float, float]] = {}
-    gather = None
+    gather, groups = None, directions(device)
     for cls, peer in peers.items():  # the gather across nodes (measured last) is the slower one
         if peer is None:
             continue
         if rank in (0, peer):
-            sizes, secs = measure_gloo(peer)
-            points, times = measure_gather(peer)
+            sizes, secs = measure_p2p(peer, groups, device)
+            points, times = measure_gather(peer, groups, device)
             if rank == 0:
                 fitted[cls] = fit_transfers(sizes, secs, relative=True)
                 gather = fit_gather(points, times)
         dist.barrier()
-    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0], gather) if rank == 0 else None]
+    cpu = device.type == "cpu"
+    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, gather) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     fitted, dev, gather = box[0]
-    devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
-                    for r in range(world))
+    if cpu:
+        devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
+                        for r in range(world))
+    else:  # every rank's GPU is taken to be of this rank's kind; each is named after its place on its node
+        gpu = cuda_cluster([device.index]).devices[0]
+        devices = tuple(replace(gpu, name=f"rank:{r}@cuda:{r % per_node}", node=node[r]) for r in range(world))
     # One link per pair of nodes, shared by all their ranks: on a node, messages go through the host's TCP
     # stack on the cores that compute (two ranks exchanging take twice as long as one sending); between
     # nodes, through one connection.
+    backend = "gloo" if cpu else "nccl"
     links, index, routes = [], {}, {}
     for i, j in itertools.permutations(range(world), 2):
         pair = (node[i], node[j])
@@ -731,9 +832,9 @@ def gloo_cluster() -> Cluster:
             cls = "intra" if node[i] == node[j] else "inter"
             index[pair] = len(links)
             name = f"n{node[i]}" if cls == "intra" else f"n{node[i]}->n{node[j]}"
-            links.append(Link(f"gloo-{cls}:{name}", fitted[cls][1], fitted[cls][0]))
+            links.append(Link(f"{backend}-{cls}:{name}", fitted[cls][1], fitted[cls][0]))
         routes[i, j] = (index[pair],)
-    return Cluster(f"gloo:{world}", devices, tuple(links), routes, gather)
+    return Cluster(f"{backend}:{world}", devices, tuple(links), routes, gather)
 
 
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
@@ -741,8 +842,9 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                             strategy: Strategy | None = None, cl: Cluster | None = None,
                             timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3,
                             tune: bool | Tuner = False) -> DistributedStep:
-    """`parallelize` over an initialized gloo process group, one device per rank: every rank calls it with the
-    same model, optimizer and inputs. Every rank captures the step and measures its op times (at once, so they
+    """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
+    current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
+    inputs. Every rank captures the step and measures its op times (at once, so they
     include what the ranks cost each other); rank 0 plans and sends the plan to all.
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both run
@@ -754,7 +856,12 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     from . import measure_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cl = cl or gloo_cluster()
+    device = rank_device()
+    home = {t.device for t in [*model.parameters(), *example_inputs]}
+    if home != {device}:
+        raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, not on "
+                         f"this rank's device {device}: move them there first")
+    cl = cl or rank_cluster(device)
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
     threads = torch.get_num_threads()
     tuner = Tuner() if tune is True else tune or None
@@ -806,8 +913,8 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
     tensors = [*params, *buffers, *(s for ss in states for s in ss)]
     leaves = [(t.shape, torch.empty(t.shape, device="meta").stride(), t.dtype) for t in tensors]
-    buf = _pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else torch.empty(_packed_size(leaves),
-                                                                                      dtype=torch.uint8)
+    buf = (_pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else
+           torch.empty(_packed_size(leaves), dtype=torch.uint8, device=tensors[0].device))
     dist.broadcast(buf, src=0)
     if dist.get_rank() == 0:
         return
@@ -825,12 +932,14 @@ def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> 
     model, optimizer = copy.deepcopy((step.model, step.optimizer))
     trial = DistributedStep(model, optimizer, step.placed, step.wiring, step.timeout.total_seconds())
     times = []
+    device = step.buffers.device
     for _ in range(steps + 1):
+        _synchronized(device)
         dist.barrier()
         t0 = time.perf_counter()
         trial(*batch)
         dist.barrier()
-        times.append(time.perf_counter() - t0)
+        times.append(_synchronized(device) - t0)
     box = [statistics.median(times[1:])]
     dist.broadcast_object_list(box, src=0)
     return box[0]
