@@ -270,8 +270,9 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
             raise FasttError(f"--launcher torchrun runs one rank per GPU (NCCL cannot put two on one): {a.devices} "
                              "names a GPU twice; use --launcher local for streams of one GPU")
         nproc, device = len(cuda_cluster(ids)), "cuda"
-        if m[1] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = m[1]
+        if ids is not None:  # GPU LOCAL_RANK of each rank is the one named (ids count visible GPUs)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible.split(",")[i] if visible else str(i) for i in ids)
     else:
         raise FasttError("--launcher torchrun runs cpu:N (a process per CPU device, gloo) or cuda[:i,j,...] "
                          "(a process per GPU, NCCL)")
@@ -370,8 +371,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--launcher", default="local", choices=("local", "torchrun"),
-                   help="local: one process, a thread per device; torchrun: one process per device (gloo on cpu:N, NCCL on cuda) "
-                        "(python -m fastt.launch; multi-node: run torchrun yourself on every node)")
+                   help="local: one process, a thread per device; torchrun: one process per device, gloo on "
+                        "cpu:N, NCCL on cuda (python -m fastt.launch; multi-node: run torchrun yourself on every "
+                        "node)")
     p.add_argument("--timeout", type=float, default=20.0, help="torchrun: seconds a rank waits for a peer")
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=int, default=None)

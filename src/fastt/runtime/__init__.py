@@ -26,6 +26,8 @@ class ParallelStep:
     optimizer's state are the truth: they are updated in place after every step (read them at any time).
     With a `tuner`, the first steps of training also tune the plan (see `fastt.runtime.tune`)."""
 
+    targets = None  # what plans are compiled for (`place`): the cluster's devices
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
                  costs: MeasuredCosts, placed: Placed, threads_per_device: int, tuner: Tuner | None = None) -> None:
         self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl

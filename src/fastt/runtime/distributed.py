@@ -424,6 +424,8 @@ class _RankRun(_Run):
         super().__init__(low, programs, envs, torch.get_num_threads(), timings)
         self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
         self.groups = directions(buffers.device)
+        if self.cuda:  # the GPU's default stream: never a pooled stream, which a direction's NCCL ops may run on
+            self.streams = (torch.cuda.default_stream(buffers.device),) * len(programs.devices)
         self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
         self.received: list = []  # (message, its receive) on a GPU, to wait for at the end
@@ -550,7 +552,10 @@ class DistributedStep:
         # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and decisions
         # are rank 0's).
         self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
-        self._placed, self.wiring, self.buffers = placed, wiring, _Buffers(wiring, self.rank, placed.programs.targets[self.rank])
+        # Plans are compiled for this rank's device alone (`rank_targets`), so no rank touches another's GPU.
+        self.targets = rank_targets(placed.programs.targets[self.rank])
+        self._placed, self.wiring = placed, wiring
+        self.buffers = _Buffers(wiring, self.rank, placed.programs.targets[self.rank])
 
     @property
     def placed(self) -> Placed:
@@ -631,7 +636,7 @@ class DistributedStep:
         rank's placement of it, if made already): it is placed and wired, and every rank takes rank 0's model and
         optimizer state, since the others only kept what their devices read."""
         if placed is None:
-            placed = place(self.graph, strategy, self.cluster, self.costs)
+            placed = place(self.graph, strategy, self.cluster, self.costs, self.targets)
         self.placed = placed
         _check_same(self.wiring)
         sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
@@ -695,6 +700,11 @@ def rank_device() -> torch.device:
     if "nccl" in dist.get_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rank_targets(device: torch.device) -> tuple[torch.device, ...]:
+    """What a rank compiles a plan for: every device on its own (it only runs its own device's program)."""
+    return (device,) * dist.get_world_size()
 
 
 def _synchronized(device: torch.device) -> float:
@@ -894,7 +904,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
                  tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
-    placed = place(graph, strategy, cl, costs)
+    placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     _check_same(wiring)
     return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner)

@@ -197,10 +197,12 @@ class Placed:
     simulated_s: float
 
 
-def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts) -> Placed:
-    """Lower and compile `strategy`; a strategy that does not fit in device memory is refused."""
+def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts,
+          targets: Sequence[str | torch.device] | None = None) -> Placed:
+    """Lower and compile `strategy` for `targets` (the torch device of each device; default: the cluster's); a
+    strategy that does not fit in device memory is refused."""
     low = lower(graph, strategy)
-    programs = compile_programs(low, [torch_device(dev) for dev in cl.devices])
+    programs = compile_programs(low, targets or [torch_device(dev) for dev in cl.devices])
     tl = simulate(graph, strategy, cl, costs, release=release_points(low, programs))
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))

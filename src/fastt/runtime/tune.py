@@ -107,7 +107,7 @@ class Tuner:
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")
         try:
-            trial = place(step.graph, candidate, step.cluster, costs)
+            trial = place(step.graph, candidate, step.cluster, costs, step.targets)
         except FasttError as e:
             return self._stop(step, str(e))
         self._kept = (step.placed, measured)
