@@ -552,8 +552,8 @@ class DistributedStep:
         # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and decisions
         # are rank 0's).
         self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
-        # Plans are compiled for this rank's device alone (`rank_targets`), so no rank touches another's GPU.
-        self.targets = rank_targets(placed.programs.targets[self.rank])
+        # Later plans are compiled for what this one was (`rank_targets`: no rank touches another's GPU).
+        self.targets = placed.programs.targets
         self._placed, self.wiring = placed, wiring
         self.buffers = _Buffers(wiring, self.rank, placed.programs.targets[self.rank])
 
