@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import torch
 
 import fastt
 from fastt import zoo
+from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.split import split
 from fastt.strategy import Split
@@ -191,6 +193,25 @@ def test_batch_norm_split_by_channel_across_ranks(tmp_path: Path) -> None:
                      "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
     assert rc == 0, err[-3000:]
     assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_plans_train_as_eager_with_collectives_of_every_shape(seed: int, tmp_path: Path) -> None:
+    """mlp's step in 4 replicas, its ops on 2 ranks at random: a rank adds up several replicas' gradients before
+    the collective, reads a mean it holds no gradient of (adds zeros), or holds all of them (no collective)."""
+    from test_runtime import random_topological_rank
+
+    w = zoo.get("mlp", "test", dropout=False)
+    g = data_parallel_graph(fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs), 4)
+    rng = random.Random(seed)
+    s = strategy_from(g, "random", 2, [rng.randrange(2) for _ in g.ops], start=random_topological_rank(g, rng),
+                      replicas=4)
+    s.save(tmp_path / "plan.json")
+    rc, _, err = run(2, "--model", "mlp", "--planners", "fastt", "--strategy", str(tmp_path / "plan.json"),
+                     "--steps", "3", "--check", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    assert results(tmp_path / "out.json")["fastt"]["max_param_rel_diff"] <= 1e-5
 
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

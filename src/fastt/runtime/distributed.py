@@ -8,8 +8,9 @@ point-to-point messages, all known before the first step (`wire`):
 - a value one device reads from another: sent (`isend`, non-blocking) right after the segment that produced it,
   received right before the first segment that reads it. Sends never block and a rank only waits for values
   that come earlier in a valid plan, so no order of ranks can deadlock (the local runtime's argument).
-- an allreduce: every rank that reads its result receives every replica's gradient and sums them in replica
-  order, so all of them hold the same mean, bit for bit the local runtime's (and eager data parallelism's).
+- an allreduce: a collective (`all_reduce`) of the ranks that hold one of its gradients or read its mean, each
+  adding up its own replicas' gradients; all of them then hold the same mean. Ranks start the collectives they
+  share in one order, which cannot deadlock (`_collectives`); allreduces that become ready together go in one.
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
 
@@ -48,7 +49,7 @@ from ..graph import OpGraph
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean
+from .local import Placed, Programs, Segment, _Run, place, replica_envs
 from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -73,14 +74,29 @@ class Message:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """Allreduce ops whose gradients `ranks` average in one `all_reduce` (sum, then divided by the replicas):
+    the ranks that hold one of the gradients or read the mean. `names`: the gradients in buffer order, each with
+    the rank that holds it per replica (`sources`) and its (shape, stride, dtype) (`leaves`). A rank adds up its
+    own replicas' gradients (zeros if it holds none)."""
+
+    ranks: tuple[int, ...]
+    ops: tuple[int, ...]
+    names: tuple[str, ...]
+    sources: tuple[tuple[int, ...], ...]
+    leaves: tuple[tuple, ...]
+
+
+@dataclass(frozen=True)
 class Wiring:
-    """Every message of a step. Per rank and segment: messages to receive before it, the allreduces it computes
-    first (ops, messages), messages to send after it; then the end-of-step messages and, per rank, the values it
-    keeps from its own replicas (placeholder name -> (replica, value name))."""
+    """Every message and collective of a step. Per rank and segment: the collectives it starts before it (one
+    more entry: after the last segment), the messages it receives and the collectives it waits for before it,
+    the messages it sends after it; then the end-of-step messages and, per rank, the values it keeps from its
+    own replicas (placeholder name -> (replica, value name))."""
 
     messages: tuple[Message, ...]
     recv_before: tuple[tuple[tuple[int, ...], ...], ...]
-    reduce_before: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]
+    reduce_before: tuple[tuple[tuple[int, ...], ...], ...]
     send_after: tuple[tuple[tuple[int, ...], ...], ...]
     final: tuple[int, ...]
     keep: tuple[dict[str, tuple[int, str]], ...]
@@ -91,6 +107,8 @@ class Wiring:
     merge: tuple[tuple[tuple, ...], ...] = ()
     leaves: tuple[tuple, ...] = ()  # per message, the (shape, stride, dtype) of every tensor in its buffer
     inbox: tuple[tuple[int, ...], ...] = ()  # per rank, the messages it receives, in the order they are sent
+    collectives: tuple[Collective, ...] = ()  # in the order every rank starts them
+    start_before: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
 class _Post:
@@ -278,33 +296,117 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                     segment_of[t.replica, name] = (d, i)
     carried = {name for names in low.allreduces.values() for name in names}
     post = _Post(where, segment_of, programs)
-    recv_before, reduce_before = [], []
+    recv_before, first_read = [], []
     for d, segs in enumerate(programs.devices):
-        recvs, reduces, reduced = [], [], set()
-        for seg in segs:
+        recvs, first = [], {}
+        for i, seg in enumerate(segs):
             needs = [post.need(seg.replica, name, d) for name in _reads(low, programs, seg) if name not in carried]
             recvs.append(post.post(d, [x for x in needs if x]))
-            ops = tuple(a for a in dict.fromkeys(seg.waits) if a in low.allreduces and a not in reduced)
-            reduced.update(ops)
-            needs = [post.need(k, name, d) for a in ops for k in range(low.replicas) for name in low.allreduces[a]]
-            reduces.append((ops, post.post(d, [x for x in needs if x])) if ops else ((), ()))
+            for a in seg.waits:
+                if a in low.allreduces:
+                    first.setdefault(a, i)
         recv_before.append(tuple(recvs))
-        reduce_before.append(tuple(reduces))
+        first_read.append(first)
     final, keep, chunks, merge = _final(low, programs, where, post)
     values = list(dict.fromkeys(v for m in post.messages for v in m.values))
     info = {c[1]: (c[0], *c[2:]) for cs in chunks for c in cs}
-    shapes = _shapes(programs, [name for _, name in values], low, info)
-    bad = [name for _, name in values if shapes.get(name) is None]
+    grads = list(dict.fromkeys(name for names in low.allreduces.values() for name in names))
+    shapes = _shapes(programs, [name for _, name in values] + grads, low, info)
+    bad = [name for name in [*(name for _, name in values), *grads] if shapes.get(name) is None]
     if bad:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: this plan cannot run distributed")
+    collectives, start_before, reduce_before = _collectives(low, programs, post, segment_of, first_read,
+                                                            recv_before, {name: shapes[name][1][0] for name in grads})
     shapes = {(k, name): shapes[name] for k, name in values}
     leaves = tuple(tuple(leaf for v in m.values for leaf in shapes[v][1]) for m in post.messages)
     # A rank sends segment by segment, then its end-of-step messages: the order each direction carries them in.
     sent = [i for segs in post.send_after for ms in segs for i in ms] + final
     inbox = tuple(tuple(i for i in sent if post.messages[i].dst == d) for d in range(len(programs.devices)))
-    return Wiring(tuple(post.messages), tuple(recv_before), tuple(reduce_before),
-                  tuple(tuple(tuple(x) for x in segs) for segs in post.send_after), tuple(final), keep,
-                  shapes, chunks, merge, leaves, inbox)
+    return Wiring(tuple(post.messages), tuple(recv_before), reduce_before,
+                  _frozen(post.send_after), tuple(final), keep,
+                  shapes, chunks, merge, leaves, inbox, collectives, start_before)
+
+
+def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict, first_read: list[dict],
+                 recv_before: list, leaf: dict) -> tuple:
+    """The allreduces as collectives, in one order every rank starts them in: (collectives, per rank the ones
+    to start before each segment (one more entry: after the last), per rank the ones to wait for before each).
+
+    A rank takes part in an allreduce if it holds one of its gradients or reads its mean. It could start it once
+    its own gradients are made, but ranks must start the collectives they share in the same order. The order is
+    that of a run of the programs in which every segment takes one unit of time: an allreduce is ready at T,
+    when the last of its ranks has made its gradients; allreduces of the same ranks ready at the same T go in one
+    collective. A rank starts each collective after its own gradients of it and after the collectives before
+    it: all of those were ready by T, so in that run every collective still completes at T, before any rank
+    reads it. That run waits for the same things as a real one, whatever order the ranks happen to run in (a rank
+    waits only for messages and collectives), so a real run cannot deadlock either."""
+    segs = programs.devices
+    ready: dict[tuple[int, int], int] = {}  # (rank, allreduce) -> its last segment making a gradient (-1: none)
+    sources = {}
+    for a, names in low.allreduces.items():
+        for name in names:
+            sources[name] = tuple(segment_of[k, name][0] for k in range(low.replicas))
+            for k in range(low.replicas):
+                d, i = segment_of[k, name]
+                ready[d, a] = max(ready.get((d, a), -1), i)
+        for d, first in enumerate(first_read):
+            if a in first:
+                ready.setdefault((d, a), -1)
+    ranks = {a: tuple(sorted(d for d, b in ready if b == a)) for a in low.allreduces}
+    sent_at = {m: (d, i) for d, ms in enumerate(post.send_after) for i, xs in enumerate(ms) for m in xs}
+    finish: list[list[int]] = [[] for _ in segs]  # per rank, the unit-time finish of each segment run so far
+    ready_at: dict[int, int] = {}
+
+    def done(d: int, i: int) -> int | None:
+        return 0 if i < 0 else finish[d][i] if i < len(finish[d]) else None
+
+    def ready_time(a: int) -> int | None:
+        if a not in ready_at:
+            ts = [done(d, ready[d, a]) for d in ranks[a]]
+            if None in ts:
+                return None
+            ready_at[a] = max(ts)
+        return ready_at[a]
+
+    waits = [{i: [a for a, j in first.items() if j == i] for i in range(len(s))} for first, s in zip(first_read, segs)]
+    moved = True
+    while moved:
+        moved = False
+        for d in range(len(segs)):
+            while len(finish[d]) < len(segs[d]):
+                i = len(finish[d])
+                ts = [done(d, i - 1), *(done(*sent_at[m]) for m in recv_before[d][i]),
+                      *(ready_time(a) for a in waits[d][i])]
+                if None in ts:
+                    break
+                finish[d].append(max(ts) + 1)
+                moved = True
+    if any(len(f) < len(s) for f, s in zip(finish, segs)):
+        raise FasttError("the devices' programs wait for each other in a cycle: this plan cannot run")
+    bundles: dict[tuple, list[int]] = {}
+    for a in sorted(low.allreduces, key=lambda a: (ready_time(a), ranks[a], a)):
+        bundles.setdefault((ready_time(a), ranks[a]), []).append(a)
+    collectives = []
+    start = [[[] for _ in range(len(s) + 1)] for s in segs]
+    wait = [[[] for _ in s] for s in segs]
+    at = [0] * len(segs)  # per rank, where it started its last collective
+    for c, ((_, group), ops) in enumerate(bundles.items()):
+        names = tuple(dict.fromkeys(name for a in ops for name in low.allreduces[a]))
+        collectives.append(Collective(group, tuple(ops), names, tuple(sources[x] for x in names),
+                                      tuple(leaf[x] for x in names)))
+        for d in group:
+            at[d] = max(at[d], *(ready[d, a] + 1 for a in ops))
+            start[d][at[d]].append(c)
+            reads = [first_read[d][a] for a in ops if a in first_read[d]]
+            if reads:
+                if min(reads) < at[d]:  # cannot happen (see above)
+                    raise FasttError(f"rank {d} would read allreduce '{low.graph.ops[ops[0]].name}' before it starts")
+                wait[d][min(reads)].append(c)
+    return tuple(collectives), _frozen(start), _frozen(wait)
+
+
+def _frozen(lists: Sequence[Sequence[Sequence[int]]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(tuple(x) for x in xs) for xs in lists)
 
 
 def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
@@ -364,18 +466,23 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
 
 
 class _Buffers:
-    """Message buffers kept from step to step: a fresh buffer of megabytes costs its page faults every step
-    (16 MiB: about 6 ms here). Not for messages that carry a value this rank keeps after the step (a new
-    parameter is a view of the buffer): those get a fresh one each time."""
+    """Buffers of messages and collectives kept from step to step: a fresh buffer of megabytes costs its page
+    faults every step (16 MiB: about 6 ms here). Not for those that carry a value this rank keeps after the step
+    (a new parameter is a view of the buffer): those get a fresh one each time. A message's key is its index, a
+    collective's (its index, a dtype)."""
 
     def __init__(self, wiring: Wiring, rank: int, device: torch.device) -> None:
         kept = set(wiring.keep[rank].values())
-        self.fresh = frozenset(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values))
-        self.kept: dict[int, torch.Tensor] = {}
+        names = {name for _, name in kept}
+        self.fresh = frozenset([*(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values)),
+                                *((c, leaf[2]) for c, col in enumerate(wiring.collectives) if names & set(col.names)
+                                  for leaf in col.leaves)])
+        self.kept: dict[int | tuple, torch.Tensor] = {}
         self.device = device
 
-    def get(self, i: int, leaves: Sequence) -> torch.Tensor:
-        """Message i's buffer (its sends have completed, its values of the last step are gone)."""
+    def get(self, i: int | tuple, leaves: Sequence) -> torch.Tensor:
+        """The buffer of message or collective i (its sends have completed, its values of the last step are
+        gone)."""
         if i in self.fresh:
             return torch.empty(_packed_size(leaves), dtype=torch.uint8, device=self.device)
         buf = self.kept.get(i)
@@ -412,6 +519,31 @@ def directions(device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]
     return groups
 
 
+_REDUCERS: list = [None, {}]  # [the process group they belong to, {ranks: group}]
+
+
+def reducers(wiring: Wiring | Sequence[tuple[int, ...]], device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group for the ranks of each collective of `wiring` (or each tuple of ranks given), made when
+    first needed. Making a group is a collective of all ranks: every rank calls this with the same wiring at the
+    same point. New groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a
+    group on its first collective, which blocks until all its ranks are there; started in the step, that would
+    wait on ranks that start their collectives in another group first)."""
+    if _REDUCERS[0] is not dist.group.WORLD:
+        _REDUCERS[:] = [dist.group.WORLD, {}]
+    groups = _REDUCERS[1]
+    sets = {c.ranks for c in wiring.collectives} if isinstance(wiring, Wiring) else set(wiring)
+    new = sorted(r for r in sets if len(r) > 1 and r not in groups)
+    for ranks in new:
+        groups[ranks] = dist.new_group(list(ranks))
+    one = torch.zeros(1, device=device)
+    for ranks in new:
+        if dist.get_rank() in ranks:
+            dist.all_reduce(one, group=groups[ranks])
+    if new and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return groups
+
+
 class _RankRun(_Run):
     """One step on this rank: its device's segments, with the wiring's messages instead of shared memory.
     On a GPU the rank only queues work: a receive makes the rank's stream wait for it, and the step ends by
@@ -428,7 +560,10 @@ class _RankRun(_Run):
             self.streams = (torch.cuda.default_stream(buffers.device),) * len(programs.devices)
         self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
-        self.received: list = []  # (message, its receive) on a GPU, to wait for at the end
+        self.reducers = reducers(wiring, buffers.device)
+        self.started: dict[int, list] = {}  # collective -> per dtype (leaves, buffer, its all_reduce)
+        # On a GPU, what to wait for at the end: (message, its receive) and (collective, its all_reduce).
+        self.pending: list = []
 
     def post_receives(self) -> None:
         """Post every receive of the step up front, each into its buffer, in the order the senders send them:
@@ -447,15 +582,7 @@ class _RankRun(_Run):
         for i in ms:
             m, leaves = self.wiring.messages[i], self.wiring.leaves[i]
             buf, work = self.posted.pop(i)
-            if work is not None:
-                try:
-                    if self.cuda:  # the stream waits, not the rank: see `finish`
-                        work.wait()
-                        self.received.append((i, work))
-                    else:
-                        work.wait(self.timeout)
-                except RuntimeError as e:
-                    raise LostPeer(_lost(m.src, m.values[0][1], e, self.timeout)) from e
+            self._wait(i, work, m.src, m.values[0][1])
             tensors = iter(_unpack(buf, leaves))
             for v in m.values:
                 spec, vleaves = self.wiring.shapes[v]
@@ -470,9 +597,71 @@ class _RankRun(_Run):
             if buf.numel():
                 self.sends.append((i, buf, dist.isend(buf, m.dst, group=self.groups[m.src, m.dst])))
 
-    def reduce(self, ops: Sequence[int]) -> None:
-        names = [name for a in ops for name in self.low.allreduces[a]]
-        self.average(names, [[env[name] for name in names] for env in self.envs])
+    def start(self, cs: Sequence[int]) -> None:
+        """Start collectives `cs`: this rank's sum of its own replicas' gradients (zeros for those it does not
+        hold), one `all_reduce` per dtype, not waited for."""
+        for c in cs:
+            col = self.wiring.collectives[c]
+            pairs = []
+            for name, src, leaf in zip(col.names, col.sources, col.leaves):
+                mine = [self.envs[k][name] for k, r in enumerate(src) if r == self.rank]
+                x = mine[0] if mine else torch.zeros(leaf[0], dtype=leaf[2], device=self.buffers.device)
+                for y in mine[1:]:
+                    x = x + y
+                pairs.append((x, leaf))
+            started = []
+            for dtype in dict.fromkeys(leaf[2] for leaf in col.leaves):
+                these = [(x, leaf) for x, leaf in pairs if leaf[2] == dtype]
+                buf = _pack(these, self.buffers.get((c, dtype), [leaf for _, leaf in these]))
+                work = None
+                if buf.numel() and len(col.ranks) > 1:
+                    try:
+                        work = dist.all_reduce(buf.view(dtype), group=self.reducers[col.ranks], async_op=True)
+                    except RuntimeError as e:
+                        raise LostPeer(self._failed(col, e)) from e
+                started.append(([leaf for _, leaf in these], buf, work))
+            self.started[c] = started
+
+    def reduce(self, cs: Sequence[int]) -> None:
+        """Wait for collectives `cs` (on a GPU: the stream waits); every replica's gradients become the mean."""
+        for c in cs:
+            col = self.wiring.collectives[c]
+            means = {}
+            for leaves, buf, work in self.started.pop(c):
+                self._wait(col, work)
+                if buf.numel():
+                    buf.view(leaves[0][2]).div_(self.low.replicas)
+                means.update(zip([x for x, leaf in zip(col.names, col.leaves) if leaf[2] == leaves[0][2]],
+                                 _unpack(buf, leaves)))
+            for env in self.envs:
+                env.update(means)
+
+    def _wait(self, key: int | Collective, work, src: int = -1, name: str = "") -> None:
+        """Wait for a receive (message `key`, from `src`, carrying `name` first) or a collective: on a GPU the
+        stream waits (see `finish`), on the CPU the rank, at most the timeout."""
+        if work is None:
+            return
+        try:
+            if self.cuda:
+                work.wait()
+                self.pending.append((key, work))
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            raise LostPeer(self._failed(key, e) if isinstance(key, Collective) else
+                           _lost(src, name, e, self.timeout)) from e
+
+    def _failed(self, col: Collective, e: BaseException) -> str:
+        """Why an allreduce failed: the peer, when it had one other rank; else the ranks (and the heartbeats
+        of the store name the one that stopped, see `record_failure`)."""
+        others = [r for r in col.ranks if r != self.rank]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            return (f"{who} did not join the allreduce of '{col.names[0]}' for {self.timeout.total_seconds():g} s: "
+                    f"{who} is stalled or dead")
+        if len(others) == 1:
+            return _lost(others[0], col.names[0], e, self.timeout)
+        return f"lost {who} (in the allreduce of '{col.names[0]}': {type(e).__name__}: {str(e).splitlines()[0]})"
 
     def run(self) -> None:
         d = self.rank
@@ -487,15 +676,14 @@ class _RankRun(_Run):
     def _run(self, d: int) -> None:
         self.post_receives()
         for i, seg in enumerate(self.programs.devices[d]):
+            self.start(self.wiring.start_before[d][i])
             self.receive(self.wiring.recv_before[d][i])
-            ops, ms = self.wiring.reduce_before[d][i]
-            if ops:
-                self.receive(ms)
-                self.reduce(ops)
+            self.reduce(self.wiring.reduce_before[d][i])
             if not self.run_segment(seg, d):
                 name, _, e = self.error
                 raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
             self.send(self.wiring.send_after[d][i])
+        self.start(self.wiring.start_before[d][-1])
         for x, name, dim, k, parts in self.wiring.chunks[d]:
             self.envs[0][name] = torch.tensor_split(self.envs[0][x], parts, dim)[k]
         mine = [i for i in self.wiring.final if self.wiring.messages[i].src == d]
@@ -503,15 +691,21 @@ class _RankRun(_Run):
         self.receive([i for i in self.wiring.final if self.wiring.messages[i].dst == d])
         if self.posted:  # a receive left posted would take the next step's message
             raise RankError(f"messages {sorted(self.posted)[:5]} were posted but never read (a wiring bug)")
+        for c, started in self.started.items():  # collectives this rank only contributed to
+            for _, _, work in started:
+                self._wait(self.wiring.collectives[c], work)
+        self.started.clear()
 
     def finish(self) -> None:
         """Wait for every send (and on a GPU every receive, then the GPU) within the timeout; segment timings
         become (segment index, seconds)."""
         if self.cuda:
             deadline = time.monotonic() + self.timeout.total_seconds()
-            for i, w in [*self.received, *((i, w) for i, _, w in self.sends)]:
+            for i, w in [*self.pending, *((i, w) for i, _, w in self.sends)]:
                 while not w.is_completed():
                     if time.monotonic() > deadline:
+                        if isinstance(i, Collective):
+                            raise LostPeer(self._failed(i, TimeoutError("timed out")))
                         m = self.wiring.messages[i]
                         peer = m.src if m.dst == self.rank else m.dst
                         raise LostPeer(f"rank {peer} exchanged nothing for {self.timeout.total_seconds():g} s "
@@ -746,49 +940,40 @@ def measure_p2p(peer: int, groups: dict, device: torch.device,
     return list(sizes), times
 
 
-def _exchange(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], other: int, first: bool,
-              bufs: tuple[torch.Tensor, torch.Tensor], groups: dict) -> None:
-    """Two ranks average tensors the way the runtime's gather does: irecv posted, pack, isend, wait (in buffers
-    kept from step to step), unpack, replica mean."""
-    rank = dist.get_rank()
-    posted = dist.irecv(bufs[1], other, group=groups[other, rank])  # as the runtime posts them: at the start
-    w = dist.isend(_pack(list(zip(xs, leaves)), bufs[0]), other, group=groups[rank, other])
-    posted.wait()
-    got = _unpack(bufs[1], leaves)
-    replica_mean([list(xs), got] if first else [got, list(xs)])
-    w.wait()
+def _allreduce(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], group: dist.ProcessGroup) -> None:
+    """Average tensors across `group` the way the runtime's collectives do: pack, `all_reduce`, divide, unpack."""
+    buf = _pack(list(zip(xs, leaves)))
+    dist.all_reduce(buf.view(leaves[0][2]), group=group)
+    buf.view(leaves[0][2]).div_(group.size())
+    _unpack(buf, leaves)
 
 
-GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
+REDUCE_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
 
 
-def measure_gather(peer: int, groups: dict, device: torch.device,
-                   shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
-                   repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
-    """Seconds rank 0 and `peer` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), both at once,
-    the way the runtime's gather does (`_exchange`), median of repeats: ([(bytes, tensors)], seconds). Rank 0
-    and `peer` call it together (as `measure_p2p`)."""
-    rank = dist.get_rank()
-    other = peer if rank == 0 else 0
+def measure_allreduce(group: dist.ProcessGroup, device: torch.device,
+                      shapes: Sequence[tuple[int, int]] = REDUCE_SHAPES,
+                      repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
+    """Seconds the ranks of `group` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), the way
+    the runtime's collectives do (`_allreduce`), median of repeats: ([(bytes, tensors)], seconds). The group's
+    ranks call it together."""
     points, times = [], []
     for k, f in shapes:
         xs = [torch.rand(f, device=device) for _ in range(k)]
         leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
-        size = _packed_size(leaves)
-        bufs = tuple(torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2))
         ts = []
         for _ in range(repeats + 1):
             t0 = _synchronized(device)
-            _exchange(xs, leaves, other, rank == 0, bufs, groups)
+            _allreduce(xs, leaves, group)
             ts.append(_synchronized(device) - t0)
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
     return points, times
 
 
-def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
+def fit_allreduce(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
     """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the megabytes that
-    gradients come in are what matter, and the cost per byte of small exchanges (from cache) is lower."""
+    gradients come in are what matter, and the cost per byte of small allreduces (from cache) is lower."""
     secs = np.asarray(seconds, dtype=float)
     a_mat = np.array([(1.0, b, k) for b, k in points], dtype=float)
     coef, *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
@@ -801,30 +986,31 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
     (gloo), or its GPU (NCCL: `rank:R@cuda:I`, costed from the GPU's name, as `cuda_cluster` does). Nodes come
     from torchrun's LOCAL_WORLD_SIZE; one link per (ordered) pair of nodes, whose latency and bandwidth are
     fitted (least squares) on messages measured for each link class: within a node (rank 0 to rank 1) and
-    between nodes (rank 0 to the first rank of node 1). Gradients are averaged by gather (`Cluster.gather`), as
-    `wire` does it, fitted on measured exchanges (`measure_gather`). Every rank calls it; all get rank 0's
-    numbers (and on GPUs their own GPU)."""
+    between nodes (rank 0 to the first rank of node 1). Gradients are averaged by the runtime's collectives,
+    whose cost between two ranks (`Cluster.allreduce`) is fitted on measured ones (`measure_allreduce`), across
+    nodes when there are several. Every rank calls it; all get rank 0's numbers (and on GPUs their own GPU)."""
     device = device or rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = [r // per_node for r in range(world)]
     peers = {"intra": 1 if world > 1 and node[1] == 0 else None, "inter": per_node if per_node < world else None}
     fitted: dict[str, tuple[float, float]] = {}
-    gather, groups = None, directions(device)
-    for cls, peer in peers.items():  # the gather across nodes (measured last) is the slower one
+    allreduce, groups = None, directions(device)
+    pairs = reducers([(0, peer) for peer in peers.values() if peer is not None], device)
+    for cls, peer in peers.items():  # the allreduce across nodes (measured last) is the slower one
         if peer is None:
             continue
         if rank in (0, peer):
             sizes, secs = measure_p2p(peer, groups, device)
-            points, times = measure_gather(peer, groups, device)
+            points, times = measure_allreduce(pairs[0, peer], device)
             if rank == 0:
                 fitted[cls] = fit_transfers(sizes, secs, relative=True)
-                gather = fit_gather(points, times)
+                allreduce = fit_allreduce(points, times)
         dist.barrier()
     cpu = device.type == "cpu"
-    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, gather) if rank == 0 else None]
+    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, allreduce) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    fitted, dev, gather = box[0]
+    fitted, dev, allreduce = box[0]
     if cpu:
         devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
                         for r in range(world))
@@ -844,7 +1030,7 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
             name = f"n{node[i]}" if cls == "intra" else f"n{node[i]}->n{node[j]}"
             links.append(Link(f"{backend}-{cls}:{name}", fitted[cls][1], fitted[cls][0]))
         routes[i, j] = (index[pair],)
-    return Cluster(f"{backend}:{world}", devices, tuple(links), routes, gather)
+    return Cluster(f"{backend}:{world}", devices, tuple(links), routes, allreduce)
 
 
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
@@ -913,7 +1099,7 @@ def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs
 def _check_same(wiring: Wiring) -> None:
     """Every rank compiled the same messages (a digest of them, compared across ranks)."""
     digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha1(repr(wiring.messages).encode()).hexdigest())
+    dist.all_gather_object(digests, hashlib.sha1(repr((wiring.messages, wiring.collectives)).encode()).hexdigest())
     if len(set(digests)) != 1:
         raise FasttError("the ranks compiled different programs: do all ranks build the same model and inputs?")
 
