@@ -109,10 +109,10 @@ def test_survivors_of_a_killed_rank_exit_within_30_s() -> None:
     assert end - killed < 30
 
 
-@pytest.mark.parametrize("ranks", [4] if FULL else [2])
-def test_without_torchrun_each_survivor_names_the_killed_rank_within_30_s(ranks: int) -> None:
-    """Ranks started by hand (env:// rendezvous, no agent to stop them): every survivor of a killed rank exits
-    non-zero within 30 s of the kill, with its own message naming the dead rank."""
+@pytest.mark.parametrize(("ranks", "victim"), [(4, 1), (4, 0)] if FULL else [(2, 1), (4, 0)])
+def test_without_torchrun_each_survivor_names_the_killed_rank_within_30_s(ranks: int, victim: int) -> None:
+    """Ranks started by hand (env:// rendezvous, no agent to stop them; rank 0 hosts the store): every survivor
+    of a killed rank exits non-zero within 30 s of the kill, with its own message naming the dead rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,23 +120,24 @@ def test_without_torchrun_each_survivor_names_the_killed_rank_within_30_s(ranks:
     for r in range(ranks):
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks),
-               "OMP_NUM_THREADS": "1", "FASTT_FAULT": "1:2:kill"}
+               "OMP_NUM_THREADS": "1", "FASTT_FAULT": f"{victim}:2:kill"}
         procs.append(subprocess.Popen([sys.executable, "-m", "fastt.launch", "--model", "mlp", "--planners", "dp",
                                        "--steps", "6", "--timeout", "20"], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env))
-    for line in procs[1].stderr:
+    for line in procs[victim].stderr:
         if "kills itself" in line:
             killed = time.monotonic()
             break
     else:
-        pytest.fail("rank 1 was not killed")
+        pytest.fail(f"rank {victim} was not killed")
     for r, p in enumerate(procs):
         _, err = p.communicate(timeout=300)
-        if r == 1:
+        if r == victim:
             continue
         assert time.monotonic() - killed < 30 and p.returncode != 0, err[-3000:]
         said = [line for line in err.splitlines() if line.startswith(f"fastt: rank {r}:")]
-        assert said and re.search(r"lost rank 1\b|rank 1 stopped|rank 1 sent nothing", said[-1]), err[-3000:]
+        assert said and re.search(rf"lost rank {victim}\b|rank {victim} stopped|rank {victim} sent nothing", said[-1]), \
+            err[-3000:]
 
 
 def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(tmp_path: Path) -> None:

@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     from .cli import format_run
-    from .runtime.distributed import RankError, record_failure, start_heartbeat
+    from .runtime.distributed import RankError, await_reports, record_failure, start_heartbeat
 
     if args.device == "cuda":
         _use_gpu()
@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         lost = isinstance(e, RuntimeError) and ("gloo" in str(e) or "NCCL" in str(e))  # a barrier lost a peer
         msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost)
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
+        if rank == 0:
+            await_reports()
         os._exit(1)
     if out is not None:
         if args.out:

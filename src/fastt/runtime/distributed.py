@@ -20,7 +20,9 @@ the same way. On a GPU a rank only queues work (a receive makes its stream wait)
 
 A rank that fails records the job's first failure in the process group's store and raises `RankError` (the
 launcher exits non-zero); its peers then lose it in turn and report that first failure. Every wait has a timeout,
-and ranks count heartbeats in the store, so a rank that loses a connection names the rank that stopped.
+and ranks count heartbeats in the store, so a rank that loses a connection names the rank that stopped. A rank
+waiting for a collective (which does not say which rank is gone) also stops once another rank has recorded a
+failure.
 """
 
 from __future__ import annotations
@@ -638,18 +640,45 @@ class _RankRun(_Run):
 
     def _wait(self, key: int | Collective, work, src: int = -1, name: str = "") -> None:
         """Wait for a receive (message `key`, from `src`, carrying `name` first) or a collective: on a GPU the
-        stream waits (see `finish`), on the CPU the rank, at most the timeout."""
+        stream waits (see `finish`), on the CPU the rank, at most the timeout. A collective is polled (`_poll`):
+        when one of its ranks dies, the others may only learn it from the connection of a survivor next to it."""
         if work is None:
             return
         try:
             if self.cuda:
                 work.wait()
                 self.pending.append((key, work))
+            elif isinstance(key, Collective):
+                self._poll(key, work, time.monotonic() + self.timeout.total_seconds())
+                work.wait()
             else:
                 work.wait(self.timeout)
+        except LostPeer:
+            raise
         except RuntimeError as e:
             raise LostPeer(self._failed(key, e) if isinstance(key, Collective) else
                            _lost(src, name, e, self.timeout)) from e
+
+    def _poll(self, key: int | Collective, work, deadline: float) -> None:
+        """Wait until `work` (message `key`'s or a collective's) is done, raising `LostPeer` at the deadline or
+        once another rank has recorded a failure (looked up every heartbeat period), which names the dead rank."""
+        look = 0.0
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                if isinstance(key, Collective):
+                    raise LostPeer(self._failed(key, TimeoutError("timed out")))
+                m = self.wiring.messages[key]
+                peer = m.src if m.dst == self.rank else m.dst
+                raise LostPeer(f"rank {peer} exchanged nothing for {self.timeout.total_seconds():g} s "
+                               f"(message with '{m.values[0][1]}'): rank {peer} is stalled or dead")
+            if now > look:
+                look = now + HEARTBEAT_S
+                if failure_recorded():
+                    what = (f"the allreduce of '{key.names[0]}'" if isinstance(key, Collective) else
+                            f"the message with '{self.wiring.messages[key].values[0][1]}'")
+                    raise LostPeer(f"stopped waiting for {what}: another rank failed")
+            time.sleep(2e-4)
 
     def _failed(self, col: Collective, e: BaseException) -> str:
         """Why an allreduce failed: the peer, when it had one other rank; else the ranks (and the heartbeats
@@ -702,15 +731,7 @@ class _RankRun(_Run):
         if self.cuda:
             deadline = time.monotonic() + self.timeout.total_seconds()
             for i, w in [*self.pending, *((i, w) for i, _, w in self.sends)]:
-                while not w.is_completed():
-                    if time.monotonic() > deadline:
-                        if isinstance(i, Collective):
-                            raise LostPeer(self._failed(i, TimeoutError("timed out")))
-                        m = self.wiring.messages[i]
-                        peer = m.src if m.dst == self.rank else m.dst
-                        raise LostPeer(f"rank {peer} exchanged nothing for {self.timeout.total_seconds():g} s "
-                                       f"(message with '{m.values[0][1]}'): rank {peer} is stalled or dead")
-                    time.sleep(1e-4)
+                self._poll(i, w, deadline)
             torch.cuda.synchronize(self.programs.targets[self.rank])
         else:
             for i, _, w in self.sends:
@@ -848,9 +869,37 @@ def record_failure(message: str, lost_peer: bool = False) -> str:
             if dead:
                 message += f"; rank {', '.join(map(str, dead))} stopped (no heartbeat)"
         first = store.compare_set(FAILED_KEY, "", message).decode()
+        store.set(f"fastt/failed/{dist.get_rank()}", "1")
     except Exception:  # noqa: BLE001 - the store may be gone with the process that hosted it
+        if lost_peer and dist.get_rank() != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            message += "; rank 0 stopped (the store it hosts is gone)"  # started without torchrun's agent
         return message
     return message if first == message else f"{message} (first failure in the job: {first})"
+
+
+def failure_recorded() -> bool:
+    """Whether a rank has recorded the job's first failure (False when the store cannot say)."""
+    try:
+        return dist.distributed_c10d._get_default_store().check([FAILED_KEY])
+    except Exception:  # noqa: BLE001 - the store is gone with rank 0: a timeout or a lost connection follows
+        return False
+
+
+def await_reports(wait_s: float = 25.0) -> None:
+    """Before a failed rank 0 exits: wait (at most `wait_s`) until every other rank has recorded its failure or
+    stopped beating. Started without torchrun, rank 0 hosts the store, where the others read the job's first
+    failure and the heartbeats that name a dead rank (a collective does not say which of its ranks is gone, and
+    a rank may only learn of it when a survivor next to it exits)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            missing = [r for r in range(1, dist.get_world_size()) if not store.check([f"fastt/failed/{r}"])]
+            if set(missing) <= set(silent_ranks(store, missing)):
+                return
+    except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
+        return
 
 
 HEARTBEAT_S = 0.5
@@ -880,10 +929,14 @@ def start_heartbeat() -> Callable[[], None]:
     return halt
 
 
-def silent_ranks(store, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
-    """The other ranks whose heartbeat count did not move in `wait_s` (ranks that never beat are left out)."""
-    keys = [f"fastt/heartbeat/{r}" for r in range(dist.get_world_size()) if r != dist.get_rank()]
-    ranks = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+def silent_ranks(store, ranks: Sequence[int] | None = None, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
+    """The other ranks (of `ranks`, default all) whose heartbeat count did not move in `wait_s` (ranks that never
+    beat are left out)."""
+    me = dist.get_rank()
+    ranks = [r for r in (range(dist.get_world_size()) if ranks is None else ranks) if r != me]
+    if not ranks:
+        return []
+    keys = [f"fastt/heartbeat/{r}" for r in ranks]
     before = [store.add(k, 0) for k in keys]
     time.sleep(wait_s)
     return [r for r, k, b in zip(ranks, keys, before) if b and store.add(k, 0) == b]
