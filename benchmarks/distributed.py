@@ -49,7 +49,7 @@ def rows_of(out: dict) -> dict:
     t = {r["planner"]: r for r in out["results"]}
     one = t["eager"]["measured_iteration_s"]
     return {"model": out["model"], "devices": out["devices"], "links": out["links"],
-            "allreduce": out.get("allreduce", {}), "steps": out["steps"],
+            "gather": out.get("gather", {}), "steps": out["steps"],
             "results": out["results"],
             "fastt_over_one_process": one / t["fastt"]["measured_iteration_s"],
             "dp_over_one_process": one / t["dp"]["measured_iteration_s"]}
@@ -91,20 +91,19 @@ def render(data: dict) -> str:
             if r["error"] is not None:
                 lines.append(f"| {row['model']} | {r['planner']} | {r['measured_iteration_s'] * 1e3:.1f} | "
                              f"{r['simulated_iteration_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}% |")
-    link, reduce = rows[0]["links"].get("gloo-intra", {}), rows[0].get("allreduce", {})
+    link, gather = rows[0]["links"].get("gloo-intra", {}), rows[0].get("gather", {})
     if link:
         lines += ["", (f"Fitted gloo link (rank 0 to rank 1, least squares on relative errors over 4 KiB to 16 MiB, "
                        f"one way): latency {link['latency_s'] * 1e6:.0f} µs, bandwidth {link['bandwidth'] / 1e9:.2f} "
                        "GB/s. Both ranks share it (loopback TCP runs on the cores that compute).")]
-    if reduce:
-        lines += ["", (f"Fitted allreduce (two ranks averaging k tensors the way the runtime's collectives do: pack, "
-                       f"gloo's `all_reduce`, divide, unpack; least squares): {reduce['latency_s'] * 1e6:.0f} µs + "
-                       f"{reduce['s_per_byte'] * 1e9:.2f} ns per byte + {reduce['s_per_tensor'] * 1e6:.1f} µs per "
+    if gather:
+        lines += ["", (f"Fitted gather (two ranks averaging k tensors the way the runtime's collectives do: pack, "
+                       f"gloo's `all_reduce`, divide, unpack; least squares): {gather['latency_s'] * 1e6:.0f} µs + "
+                       f"{gather['s_per_byte'] * 1e9:.2f} ns per byte + {gather['s_per_tensor'] * 1e6:.1f} µs per "
                        "tensor.")]
     lines += ["", ("How the simulator models this runtime: what a segment hands to another rank leaves when the "
                    "segment ends, in one message; allreduces that become ready together are averaged in one "
-                   "collective, at the fitted allreduce's cost (n ranks: as a ring); the ranks of a node share one "
-                   "link."),
+                   "collective, at the fitted gather's cost; the ranks of a node share one link."),
               "", ("What it still misses: the step's Python work outside the segments (binding parameters, the "
                    "replicas' tables, writing the new state back); compute slowed by the gloo threads on the same "
                    "cores; and what a message costs the ranks themselves. The fitted link is one message with the "
@@ -120,8 +119,8 @@ def render(data: dict) -> str:
               ("The same runtime runs a GPU per rank over NCCL (`torchrun ... -m fastt.launch --device cuda`, "
                "`fastt run --devices cuda --launcher torchrun`): each direction between two ranks has its own "
                "process group, receives are posted in the order the sender sends (NCCL matches by order, not "
-               "tag), gradients are averaged by NCCL's `all_reduce`, and a rank queues its GPU work and polls its "
-               "messages and collectives at the end of the step. **Not "
+               "tag), gradients are averaged by NCCL's collectives (bit for bit eager's mean), and a rank queues "
+               "its GPU work and polls its messages and collectives at the end of the step. **Not "
                "measured and not yet run on GPUs**: this machine has none, and NCCL cannot put two ranks on one "
                "GPU. The message order it needs is checked here, over gloo, which runs the same way (no tags). "
                "`tests/test_distributed.py` has the NCCL tests (skipped without GPUs).")]

@@ -45,4 +45,4 @@ def test_distributed_benchmark_small() -> None:
     assert set(summary["fastt_over_one_process"]) == {"mlp"}
     rows = json.loads((ROOT / "out/distributed-small.json").read_text())["rows"]
     assert {r["planner"] for r in rows[0]["results"]} == {"fastt", "dp", "single", "dpos", "eager"}
-    assert set(rows[0]["allreduce"]) == {"latency_s", "s_per_byte", "s_per_tensor"}
+    assert set(rows[0]["gather"]) == {"latency_s", "s_per_byte", "s_per_tensor"}

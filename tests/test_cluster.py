@@ -123,12 +123,11 @@ def test_json_by_hand_with_names_and_multi_link_route(tmp_path: Path) -> None:
     assert c.transfer_time(0, 1, 1e9) == pytest.approx(1 + 1e-6)
     assert c.transfer_time(1, 0, 2e9) == pytest.approx(3e-6 + 1)  # slowest link on the route bounds it
     assert from_dict(c.to_dict()) == c
-    data["allreduce"] = [1e-4, 2e-9, 5e-6]
-    assert from_dict(data).allreduce == (1e-4, 2e-9, 5e-6)
-    assert from_dict(from_dict(data).to_dict()) == from_dict(data)
+    data["gather"] = [1e-4, 2e-9, 5e-6]
+    assert from_dict(data).gather == (1e-4, 2e-9, 5e-6) and from_dict(from_dict(data).to_dict()) == from_dict(data)
     for bad in ([1e-4, 2e-9], [1e-4, -1.0, 0.0], "fast"):
-        with pytest.raises(FasttError, match="allreduce is"):
-            from_dict(data | {"allreduce": bad})
+        with pytest.raises(FasttError, match="gather is"):
+            from_dict(data | {"gather": bad})
     del data["routes"]
     with pytest.raises(FasttError, match="no route"):
         from_dict(data)

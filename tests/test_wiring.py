@@ -22,13 +22,13 @@ from fastt.cost import MeasuredCosts
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import (
-    REDUCE_SHAPES,
+    GATHER_SHAPES,
     Wiring,
     _pack,
     _packed_size,
     _reads,
     _unpack,
-    fit_allreduce,
+    fit_gather,
     wire,
 )
 from fastt.runtime.local import place
@@ -159,7 +159,7 @@ def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
             assert y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
-def test_fit_allreduce_recovers_the_plane() -> None:
-    points = [(4 * k * f, k) for k, f in REDUCE_SHAPES]
-    a, b, c = fit_allreduce(points, [2e-4 + 2e-9 * nbytes + 8e-6 * k for nbytes, k in points])
+def test_fit_gather_recovers_the_plane() -> None:
+    points = [(4 * k * f, k) for k, f in GATHER_SHAPES]
+    a, b, c = fit_gather(points, [2e-4 + 2e-9 * nbytes + 8e-6 * k for nbytes, k in points])
     assert (a, b, c) == (pytest.approx(2e-4), pytest.approx(2e-9), pytest.approx(8e-6))

@@ -51,17 +51,17 @@ class Link:
 class Cluster:
     """Devices, links, and for every ordered pair of distinct devices the links a transfer uses.
 
-    Gradients are averaged by a ring allreduce: the links move 2(n-1)/n of the bytes and reduce on the way,
-    costed from the links, unless `allreduce` is set: (latency s, s per byte, s per gradient tensor) of one
-    allreduce between two devices, fitted on measured ones (fastt's distributed runtime: its packing and the
-    backend's collective); n devices take (n-1)·latency + 2(n-1)/n·bytes·(s per byte) + tensors·(s per
-    tensor), as a ring does."""
+    Gradients are averaged by a ring allreduce (NCCL's: the links move 2(n-1)/n of the bytes and reduce on the
+    way) unless `gather` is set: fastt's distributed runtime, whose ranks average by collectives that give every
+    rank the other n-1 gradients (or their sum) to add up in replica order. `gather` = (latency s, s per byte, s
+    per gradient tensor) of one average between two devices, fitted on measured ones; n devices take latency +
+    (n-1)·(the rest)."""
 
     name: str
     devices: tuple[Device, ...]
     links: tuple[Link, ...] = ()
     routes: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
-    allreduce: tuple[float, float, float] | None = None
+    gather: tuple[float, float, float] | None = None
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -92,8 +92,8 @@ class Cluster:
         out: dict[str, Any] = {"name": self.name, "devices": [asdict(d) for d in self.devices], "links": links}
         if multi:
             out["routes"] = multi
-        if self.allreduce is not None:
-            out["allreduce"] = list(self.allreduce)
+        if self.gather is not None:
+            out["gather"] = list(self.gather)
         return out
 
     def to_json(self) -> str:
@@ -380,8 +380,8 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?}. Each
     link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
     the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
-    pair of distinct devices must get exactly one route. The optional "allreduce" is [latency s, s per byte,
-    s per tensor] (see Cluster).
+    pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per byte, s per
+    tensor] (see Cluster).
     """
     def fail(msg: str) -> FasttError:
         return FasttError(f"{where}: {msg}")
@@ -435,12 +435,12 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     missing = [p for p in itertools.permutations(range(len(devices)), 2) if p not in routes]
     if missing:
         raise fail(f"no route for device pairs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    allreduce = data.get("allreduce")
-    if allreduce is not None:
+    gather = data.get("gather")
+    if gather is not None:
         try:
-            allreduce = tuple(float(x) for x in allreduce)
+            gather = tuple(float(x) for x in gather)
         except (TypeError, ValueError):
-            allreduce = ()
-        if len(allreduce) != 3 or min(allreduce) < 0:
-            raise fail(f"allreduce is [latency s, s per byte, s per tensor], all ≥ 0; got {data['allreduce']!r}")
-    return Cluster(str(data.get("name", where)), devices, links, routes, allreduce)
+            gather = ()
+        if len(gather) != 3 or min(gather) < 0:
+            raise fail(f"gather is [latency s, s per byte, s per tensor], all ≥ 0; got {data['gather']!r}")
+    return Cluster(str(data.get("name", where)), devices, links, routes, gather)

@@ -126,7 +126,7 @@ def train(args: argparse.Namespace) -> dict | None:
     return {"model": name, "devices": cl.name, "launcher": "torchrun", "nodes": len({d.node for d in cl.devices}),
             "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
                       for lk in cl.links},
-            "allreduce": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.allreduce or ())),
+            "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
             "steps": args.steps, "results": results,
             "max_param_rel_diff": worst if args.check or args.check_steps else None}
 

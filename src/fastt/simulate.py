@@ -11,9 +11,9 @@ The model, in full:
 - what an op sends off its device (transfers, its part of an allreduce) leaves when the op finishes, or, with
   `release`, when the op that ends its run of ops finishes (the runtimes hand values over per compiled segment);
 - an allreduce runs on the devices of its inputs and of its readers once its inputs are all available and its
-  links are free, as a ring (costed from the links, or from `Cluster.allreduce`); allreduces of one group that
-  become ready at the same moment run as one (their bytes fused, one latency), as the distributed runtime's
-  collectives do; the result is then on every device of the group;
+  links are free, as a ring or a gather (`Cluster.gather`); allreduces of one group that become ready at the
+  same moment run as one (their bytes fused, one latency), as the distributed runtime's collectives do; the
+  result is then on every device of the group;
 - memory per device starts at its resident set; an op allocates its output when it starts (INPUT data at t=0), a
   transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; a copy is freed
   when its last reader there (a local op, an outgoing transfer, an allreduce) has finished. At equal times
@@ -308,7 +308,7 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[
     for a, op in enumerate(ops):
         for j in op.inputs:
             if j in group and dev[a] >= 0:
-                group[j].add(dev[a])  # a reader takes part (adding zeros), as in the distributed runtime
+                group[j].add(dev[a])  # a reader takes part, as in the distributed runtime's collective
     for a, grp in group.items():
         if not ops[a].inputs:
             raise FasttError(f"allreduce '{ops[a].name}' has no inputs")
@@ -419,17 +419,18 @@ def _allreduce_cost(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[int
 
     Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth, plus
     one route latency per step (the largest, since all neighbours step together).
-    A measured allreduce between two devices (`Cluster.allreduce`: latency, s per byte, s per tensor) scales
-    the same way: (n-1)·latency, 2(n-1)/n of the bytes, and the tensors' packing.
+    Gather (`Cluster.gather`): every device gets the n-1 others' gradients and sums them; it occupies the links
+    between all of them.
     """
     n = len(group)
     if n == 1:
         return (), 0.0, 0.0, 0.0
+    if cluster.gather is not None:
+        hops = [cluster.route(a, b) for a in group for b in group if a != b]
+        latency, per_byte, per_tensor = cluster.gather
+        return tuple(sorted({lk for h in hops for lk in h})), latency, (n - 1) * per_byte, (n - 1) * per_tensor
     hops = [cluster.route(group[k], group[(k + 1) % n]) for k in range(n)]
     links = tuple(sorted({lk for h in hops for lk in h}))
-    if cluster.allreduce is not None:
-        latency, per_byte, per_tensor = cluster.allreduce
-        return links, (n - 1) * latency, 2 * (n - 1) / n * per_byte, per_tensor
     slowest = min(cluster.links[lk].bandwidth for lk in links)
     latency = max(sum(cluster.links[lk].latency for lk in h) for h in hops)
     return links, 2 * (n - 1) * latency, 2 * (n - 1) / n / slowest, 0.0
@@ -498,11 +499,14 @@ def human_bytes(n: float) -> str:
 
 def inter_node_bytes(tl: Timeline, cluster: Cluster) -> int:
     """Bytes a simulated step moves between nodes: transfers between devices of different nodes, and each
-    allreduce's ring hops that cross nodes (2(n-1)/n of its bytes each, as `_allreduce_cost` costs them)."""
+    allreduce's hops that cross nodes (ring: 2(n-1)/n of its bytes per hop; gather: all of them from every device
+    to every other, as `_allreduce_cost` costs them)."""
     node = [d.node for d in cluster.devices]
     total = sum(t.nbytes for t in tl.transfers if node[t.src] != node[t.dst])
     for c in tl.collectives:
         grp, n = c.group, len(c.group)
-        if n > 1:
+        if cluster.gather is not None:
+            total += sum(node[a] != node[b] for a in grp for b in grp) * c.nbytes
+        elif n > 1:
             total += sum(node[grp[i]] != node[grp[(i + 1) % n]] for i in range(n)) * 2 * (n - 1) / n * c.nbytes
     return int(total)

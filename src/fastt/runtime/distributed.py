@@ -8,9 +8,10 @@ point-to-point messages, all known before the first step (`wire`):
 - a value one device reads from another: sent (`isend`, non-blocking) right after the segment that produced it,
   received right before the first segment that reads it. Sends never block and a rank only waits for values
   that come earlier in a valid plan, so no order of ranks can deadlock (the local runtime's argument).
-- an allreduce: a collective (`all_reduce`) of the ranks that hold one of its gradients or read its mean, each
-  adding up its own replicas' gradients; all of them then hold the same mean. Ranks start the collectives they
-  share in one order, which cannot deadlock (`_collectives`); allreduces that become ready together go in one.
+- an allreduce: a collective of the ranks that hold one of its gradients or read its mean, after which all of
+  them hold the same mean, bit for bit the local runtime's and eager data parallelism's (the sum in replica
+  order): an `all_reduce` for two replicas (a + b is b + a), else an `all_gather` that each sums in order. Ranks start the collectives they share in one order, which cannot
+  deadlock (`_collectives`); allreduces that become ready together go in one.
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
 
@@ -51,7 +52,7 @@ from ..graph import OpGraph
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, place, replica_envs
+from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean
 from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -77,16 +78,24 @@ class Message:
 
 @dataclass(frozen=True)
 class Collective:
-    """Allreduce ops whose gradients `ranks` average in one `all_reduce` (sum, then divided by the replicas):
-    the ranks that hold one of the gradients or read the mean. `names`: the gradients in buffer order, each with
-    the rank that holds it per replica (`sources`) and its (shape, stride, dtype) (`leaves`). A rank adds up its
-    own replicas' gradients (zeros if it holds none)."""
+    """Allreduce ops whose gradients `ranks` average together: the ranks that hold one of the gradients or read
+    the mean. `names`: the gradients, each with the rank that holds it per replica (`sources`) and its (shape,
+    stride, dtype) (`leaves`). Two replicas: each rank adds up the ones it holds (or zeros) and an `all_reduce`
+    sums them. More: each rank packs the gradients it holds (`held`) into a buffer of `slot` bytes (the most any
+    rank holds), `all_gather`s them, and sums the replicas in replica order, as eager data parallelism does.
+    Either way every rank gets eager's mean bit for bit; an `all_reduce` of more than two would sum in an order
+    of its own."""
 
     ranks: tuple[int, ...]
     ops: tuple[int, ...]
     names: tuple[str, ...]
     sources: tuple[tuple[int, ...], ...]
     leaves: tuple[tuple, ...]
+    slot: int = 0
+
+    def held(self, rank: int) -> list[tuple[int, int]]:
+        """(name index, replica) of the gradients `rank` holds, in buffer order."""
+        return [(j, k) for j, src in enumerate(self.sources) for k, r in enumerate(src) if r == rank]
 
 
 @dataclass(frozen=True)
@@ -276,8 +285,8 @@ def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
         if view is None:
             view = typed[dtype] = buf.view(dtype)
         at = off // dtype.itemsize
-        if _dense(shape, stride):
-            out.append(view.as_strided(shape, stride, at))
+        if _dense(shape, stride):  # as_strided counts from the start of the storage, not of buf
+            out.append(view.as_strided(shape, stride, view.storage_offset() + at))
         else:
             numel = torch.Size(shape).numel()
             out.append(torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
@@ -394,8 +403,9 @@ def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict
     at = [0] * len(segs)  # per rank, where it started its last collective
     for c, ((_, group), ops) in enumerate(bundles.items()):
         names = tuple(dict.fromkeys(name for a in ops for name in low.allreduces[a]))
-        collectives.append(Collective(group, tuple(ops), names, tuple(sources[x] for x in names),
-                                      tuple(leaf[x] for x in names)))
+        col = Collective(group, tuple(ops), names, tuple(sources[x] for x in names), tuple(leaf[x] for x in names))
+        collectives.append(replace(col, slot=max(_packed_size([col.leaves[j] for j, _ in col.held(r)])
+                                                 for r in group)))
         for d in group:
             at[d] = max(at[d], *(ready[d, a] + 1 for a in ops))
             start[d][at[d]].append(c)
@@ -469,27 +479,26 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
 
 class _Buffers:
     """Buffers of messages and collectives kept from step to step: a fresh buffer of megabytes costs its page
-    faults every step (16 MiB: about 6 ms here). Not for those that carry a value this rank keeps after the step
-    (a new parameter is a view of the buffer): those get a fresh one each time. A message's key is its index, a
-    collective's (its index, a dtype)."""
+    faults every step (16 MiB: about 6 ms here). Not for messages that carry a value this rank keeps after the
+    step (a new parameter is a view of the buffer): those get a fresh one each time. A message's key is its
+    index; a collective's, (its index, a dtype) for a sum, (its index, "in" or "out") for a gather."""
 
     def __init__(self, wiring: Wiring, rank: int, device: torch.device) -> None:
         kept = set(wiring.keep[rank].values())
-        names = {name for _, name in kept}
+        names = {name for _, name in kept}  # a mean from a sum is a view of its buffer
         self.fresh = frozenset([*(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values)),
                                 *((c, leaf[2]) for c, col in enumerate(wiring.collectives) if names & set(col.names)
                                   for leaf in col.leaves)])
         self.kept: dict[int | tuple, torch.Tensor] = {}
         self.device = device
 
-    def get(self, i: int | tuple, leaves: Sequence) -> torch.Tensor:
-        """The buffer of message or collective i (its sends have completed, its values of the last step are
-        gone)."""
-        if i in self.fresh:
-            return torch.empty(_packed_size(leaves), dtype=torch.uint8, device=self.device)
-        buf = self.kept.get(i)
+    def get(self, key: int | tuple, nbytes: int) -> torch.Tensor:
+        """The buffer of `key` (its sends have completed, its values of the last step are gone)."""
+        if key in self.fresh:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = self.kept.get(key)
         if buf is None:
-            buf = self.kept[i] = torch.empty(_packed_size(leaves), dtype=torch.uint8, device=self.device)
+            buf = self.kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf
 
 
@@ -563,8 +572,9 @@ class _RankRun(_Run):
         self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
         self.reducers = reducers(wiring, buffers.device)
-        self.started: dict[int, list] = {}  # collective -> per dtype (leaves, buffer, its all_reduce)
-        # On a GPU, what to wait for at the end: (message, its receive) and (collective, its all_reduce).
+        # collective -> per dtype (leaves, buffer, its all_reduce), or its all_gather (None: a rank on its own)
+        self.started: dict[int, object] = {}
+        # On a GPU, what to wait for at the end: (message, its receive) and (collective, its work).
         self.pending: list = []
 
     def post_receives(self) -> None:
@@ -573,7 +583,7 @@ class _RankRun(_Run):
         receives are posted late)."""
         for i in self.wiring.inbox[self.rank]:
             m = self.wiring.messages[i]
-            buf = self.buffers.get(i, self.wiring.leaves[i])
+            buf = self.buffers.get(i, _packed_size(self.wiring.leaves[i]))
             try:
                 self.posted[i] = (buf, dist.irecv(buf, m.src, group=self.groups[m.src, m.dst])
                                   if buf.numel() else None)
@@ -595,48 +605,83 @@ class _RankRun(_Run):
             m = self.wiring.messages[i]
             pairs = [(x, leaf) for v in m.values for x, leaf in
                      zip(torch.utils._pytree.tree_leaves(self.envs[v[0]][v[1]]), self.wiring.shapes[v][1])]
-            buf = _pack(pairs, self.buffers.get(i, self.wiring.leaves[i]))
+            buf = _pack(pairs, self.buffers.get(i, _packed_size(self.wiring.leaves[i])))
             if buf.numel():
                 self.sends.append((i, buf, dist.isend(buf, m.dst, group=self.groups[m.src, m.dst])))
 
     def start(self, cs: Sequence[int]) -> None:
-        """Start collectives `cs`: this rank's sum of its own replicas' gradients (zeros for those it does not
-        hold), one `all_reduce` per dtype, not waited for."""
+        """Start collectives `cs`, not waited for. Two replicas: this rank's part of their sum (both gradients
+        added in replica order, one, or zeros) and an `all_reduce` per dtype: a + b is b + a, bit for bit.
+        More: the gradients this rank holds, packed and `all_gather`ed (an `all_reduce` would add them in an
+        order of its own)."""
         for c in cs:
             col = self.wiring.collectives[c]
-            pairs = []
-            for name, src, leaf in zip(col.names, col.sources, col.leaves):
-                mine = [self.envs[k][name] for k, r in enumerate(src) if r == self.rank]
-                x = mine[0] if mine else torch.zeros(leaf[0], dtype=leaf[2], device=self.buffers.device)
-                for y in mine[1:]:
-                    x = x + y
-                pairs.append((x, leaf))
-            started = []
-            for dtype in dict.fromkeys(leaf[2] for leaf in col.leaves):
-                these = [(x, leaf) for x, leaf in pairs if leaf[2] == dtype]
-                buf = _pack(these, self.buffers.get((c, dtype), [leaf for _, leaf in these]))
-                work = None
-                if buf.numel() and len(col.ranks) > 1:
-                    try:
-                        work = dist.all_reduce(buf.view(dtype), group=self.reducers[col.ranks], async_op=True)
-                    except RuntimeError as e:
-                        raise LostPeer(self._failed(col, e)) from e
-                started.append(([leaf for _, leaf in these], buf, work))
-            self.started[c] = started
+            if len(col.ranks) == 1:
+                self.started[c] = None
+            elif self.low.replicas == 2:
+                self.started[c] = self._start_sum(c, col)
+            else:
+                self.started[c] = self._start_gather(c, col)
+
+    def _start_sum(self, c: int, col: Collective) -> list:
+        pairs = []
+        for name, src, leaf in zip(col.names, col.sources, col.leaves):
+            mine = [self.envs[k][name] for k, r in enumerate(src) if r == self.rank]
+            pairs.append((mine[0] + mine[1] if len(mine) == 2 else mine[0] if mine else
+                          torch.zeros(leaf[0], dtype=leaf[2], device=self.buffers.device), leaf))
+        started = []
+        for dtype in dict.fromkeys(leaf[2] for leaf in col.leaves):
+            these = [(x, leaf) for x, leaf in pairs if leaf[2] == dtype]
+            buf = _pack(these, self.buffers.get((c, dtype), _packed_size([leaf for _, leaf in these])))
+            try:
+                work = dist.all_reduce(buf.view(dtype), group=self.reducers[col.ranks], async_op=True)
+            except RuntimeError as e:
+                raise LostPeer(self._failed(col, e)) from e
+            started.append(([leaf for _, leaf in these], buf, work))
+        return started
+
+    def _start_gather(self, c: int, col: Collective):
+        held = col.held(self.rank)
+        buf = self.buffers.get((c, "in"), col.slot)
+        size = _packed_size([col.leaves[j] for j, _ in held])
+        if held:
+            _pack([(self.envs[k][col.names[j]], col.leaves[j]) for j, k in held], buf[:size])
+        out = self.buffers.get((c, "out"), col.slot * len(col.ranks))
+        try:
+            return dist.all_gather_into_tensor(out, buf, group=self.reducers[col.ranks], async_op=True)
+        except RuntimeError as e:
+            raise LostPeer(self._failed(col, e)) from e
 
     def reduce(self, cs: Sequence[int]) -> None:
-        """Wait for collectives `cs` (on a GPU: the stream waits); every replica's gradients become the mean."""
+        """Wait for collectives `cs` (on a GPU: the stream waits); every replica's gradients become their mean,
+        as `replica_mean` computes it (the sum in replica order, then divided)."""
         for c in cs:
-            col = self.wiring.collectives[c]
-            means = {}
-            for leaves, buf, work in self.started.pop(c):
-                self._wait(col, work)
-                if buf.numel():
-                    buf.view(leaves[0][2]).div_(self.low.replicas)
-                means.update(zip([x for x, leaf in zip(col.names, col.leaves) if leaf[2] == leaves[0][2]],
-                                 _unpack(buf, leaves)))
+            col, started = self.wiring.collectives[c], self.started.pop(c)
+            if isinstance(started, list):  # a sum
+                means = {}
+                for leaves, buf, work in started:
+                    self._wait(col, work)
+                    buf.view(leaves[0][2]).div_(float(self.low.replicas))
+                    means.update(zip([x for x, leaf in zip(col.names, col.leaves) if leaf[2] == leaves[0][2]],
+                                     _unpack(buf, leaves)))
+                for env in self.envs:
+                    env.update(means)
+                continue
+            self._wait(col, started)
+            grads: list[list] = [[None] * len(col.names) for _ in range(self.low.replicas)]
+            for i, r in enumerate(col.ranks):
+                held = col.held(r)
+                if r == self.rank or started is None:
+                    values = [self.envs[k][col.names[j]] for j, k in held]
+                else:
+                    leaves = [col.leaves[j] for j, _ in held]
+                    out = self.buffers.get((c, "out"), col.slot * len(col.ranks))
+                    values = _unpack(out[i * col.slot:i * col.slot + _packed_size(leaves)], leaves)
+                for (j, k), v in zip(held, values):
+                    grads[k][j] = v
+            means = replica_mean(grads)
             for env in self.envs:
-                env.update(means)
+                env.update(zip(col.names, means))
 
     def _wait(self, key: int | Collective, work, src: int = -1, name: str = "") -> None:
         """Wait for a receive (message `key`, from `src`, carrying `name` first) or a collective: on a GPU the
@@ -721,7 +766,7 @@ class _RankRun(_Run):
         if self.posted:  # a receive left posted would take the next step's message
             raise RankError(f"messages {sorted(self.posted)[:5]} were posted but never read (a wiring bug)")
         for c, started in self.started.items():  # collectives this rank only contributed to
-            for _, _, work in started:
+            for work in ([w for _, _, w in started] if isinstance(started, list) else [started]):
                 self._wait(self.wiring.collectives[c], work)
         self.started.clear()
 
@@ -993,40 +1038,43 @@ def measure_p2p(peer: int, groups: dict, device: torch.device,
     return list(sizes), times
 
 
-def _allreduce(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], group: dist.ProcessGroup) -> None:
-    """Average tensors across `group` the way the runtime's collectives do: pack, `all_reduce`, divide, unpack."""
-    buf = _pack(list(zip(xs, leaves)))
+def _average(xs: Sequence[torch.Tensor], leaves: Sequence[tuple], group: dist.ProcessGroup,
+             buf: torch.Tensor) -> None:
+    """Two ranks average tensors the way the runtime's collectives do for two replicas (in a buffer kept from
+    step to step): pack, `all_reduce`, divide, unpack."""
+    _pack(list(zip(xs, leaves)), buf)
     dist.all_reduce(buf.view(leaves[0][2]), group=group)
-    buf.view(leaves[0][2]).div_(group.size())
+    buf.view(leaves[0][2]).div_(2.0)
     _unpack(buf, leaves)
 
 
-REDUCE_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
+GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
 
 
-def measure_allreduce(group: dist.ProcessGroup, device: torch.device,
-                      shapes: Sequence[tuple[int, int]] = REDUCE_SHAPES,
-                      repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
-    """Seconds the ranks of `group` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), the way
-    the runtime's collectives do (`_allreduce`), median of repeats: ([(bytes, tensors)], seconds). The group's
-    ranks call it together."""
+def measure_gather(group: dist.ProcessGroup, device: torch.device,
+                   shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
+                   repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
+    """Seconds the two ranks of `group` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), the
+    way the runtime's collectives do (`_average`), median of repeats: ([(bytes, tensors)], seconds). The
+    group's ranks call it together."""
     points, times = [], []
     for k, f in shapes:
         xs = [torch.rand(f, device=device) for _ in range(k)]
         leaves = [(x.shape, x.stride(), x.dtype) for x in xs]
+        buf = torch.empty(_packed_size(leaves), dtype=torch.uint8, device=device)
         ts = []
         for _ in range(repeats + 1):
             t0 = _synchronized(device)
-            _allreduce(xs, leaves, group)
+            _average(xs, leaves, group, buf)
             ts.append(_synchronized(device) - t0)
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
     return points, times
 
 
-def fit_allreduce(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
+def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
     """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the megabytes that
-    gradients come in are what matter, and the cost per byte of small allreduces (from cache) is lower."""
+    gradients come in are what matter, and the cost per byte of small exchanges (from cache) is lower."""
     secs = np.asarray(seconds, dtype=float)
     a_mat = np.array([(1.0, b, k) for b, k in points], dtype=float)
     coef, *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
@@ -1039,8 +1087,8 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
     (gloo), or its GPU (NCCL: `rank:R@cuda:I`, costed from the GPU's name, as `cuda_cluster` does). Nodes come
     from torchrun's LOCAL_WORLD_SIZE; one link per (ordered) pair of nodes, whose latency and bandwidth are
     fitted (least squares) on messages measured for each link class: within a node (rank 0 to rank 1) and
-    between nodes (rank 0 to the first rank of node 1). Gradients are averaged by the runtime's collectives,
-    whose cost between two ranks (`Cluster.allreduce`) is fitted on measured ones (`measure_allreduce`), across
+    between nodes (rank 0 to the first rank of node 1). Gradients are averaged by the runtime's collectives (a
+    gather: `Cluster.gather`), whose cost between two ranks is fitted on measured ones (`measure_gather`), across
     nodes when there are several. Every rank calls it; all get rank 0's numbers (and on GPUs their own GPU)."""
     device = device or rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1048,22 +1096,22 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
     node = [r // per_node for r in range(world)]
     peers = {"intra": 1 if world > 1 and node[1] == 0 else None, "inter": per_node if per_node < world else None}
     fitted: dict[str, tuple[float, float]] = {}
-    allreduce, groups = None, directions(device)
+    gather, groups = None, directions(device)
     pairs = reducers([(0, peer) for peer in peers.values() if peer is not None], device)
-    for cls, peer in peers.items():  # the allreduce across nodes (measured last) is the slower one
+    for cls, peer in peers.items():  # the gather across nodes (measured last) is the slower one
         if peer is None:
             continue
         if rank in (0, peer):
             sizes, secs = measure_p2p(peer, groups, device)
-            points, times = measure_allreduce(pairs[0, peer], device)
+            points, times = measure_gather(pairs[0, peer], device)
             if rank == 0:
                 fitted[cls] = fit_transfers(sizes, secs, relative=True)
-                allreduce = fit_allreduce(points, times)
+                gather = fit_gather(points, times)
         dist.barrier()
     cpu = device.type == "cpu"
-    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, allreduce) if rank == 0 else None]
+    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, gather) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    fitted, dev, allreduce = box[0]
+    fitted, dev, gather = box[0]
     if cpu:
         devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=dev.memory_bytes // per_node, node=node[r])
                         for r in range(world))
@@ -1083,7 +1131,7 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
             name = f"n{node[i]}" if cls == "intra" else f"n{node[i]}->n{node[j]}"
             links.append(Link(f"{backend}-{cls}:{name}", fitted[cls][1], fitted[cls][0]))
         routes[i, j] = (index[pair],)
-    return Cluster(f"{backend}:{world}", devices, tuple(links), routes, allreduce)
+    return Cluster(f"{backend}:{world}", devices, tuple(links), routes, gather)
 
 
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
