@@ -136,8 +136,8 @@ def test_without_torchrun_each_survivor_names_the_killed_rank_within_30_s(ranks:
             continue
         assert time.monotonic() - killed < 30 and p.returncode != 0, err[-3000:]
         said = [line for line in err.splitlines() if line.startswith(f"fastt: rank {r}:")]
-        assert said and re.search(rf"lost rank {victim}\b|rank {victim} stopped|rank {victim} sent nothing", said[-1]), \
-            err[-3000:]
+        named = rf"lost rank {victim}\b|rank {victim} stopped|rank {victim} sent nothing"
+        assert said and re.search(named, said[-1]), err[-3000:]
 
 
 def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(tmp_path: Path) -> None:

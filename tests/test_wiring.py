@@ -107,7 +107,8 @@ def check_collectives(w: Wiring, low, programs, where: dict) -> None:
             for a in seg.waits:
                 if a in low.allreduces:
                     c = next(c for c, col in enumerate(w.collectives) if a in col.ops)
-                    assert c in waited and started[d, c] <= min(j for j, cs in enumerate(w.reduce_before[d]) if c in cs) <= i
+                    first = min(j for j, cs in enumerate(w.reduce_before[d]) if c in cs)
+                    assert c in waited and started[d, c] <= first <= i
 
 
 def run_in_any_order(w: Wiring, programs, rng: random.Random) -> None:

@@ -10,8 +10,9 @@ point-to-point messages, all known before the first step (`wire`):
   that come earlier in a valid plan, so no order of ranks can deadlock (the local runtime's argument).
 - an allreduce: a collective of the ranks that hold one of its gradients or read its mean, after which all of
   them hold the same mean, bit for bit the local runtime's and eager data parallelism's (the sum in replica
-  order): an `all_reduce` for two replicas (a + b is b + a), else an `all_gather` that each sums in order. Ranks start the collectives they share in one order, which cannot
-  deadlock (`_collectives`); allreduces that become ready together go in one.
+  order): an `all_reduce` for two replicas (a + b is b + a), else an `all_gather` that each sums in order.
+  Ranks start the collectives they share in one order, which cannot deadlock (`_collectives`); allreduces that
+  become ready together go in one.
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to rank 0.
 
@@ -533,7 +534,8 @@ def directions(device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]
 _REDUCERS: list = [None, {}]  # [the process group they belong to, {ranks: group}]
 
 
-def reducers(wiring: Wiring | Sequence[tuple[int, ...]], device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def reducers(wiring: Wiring | Sequence[tuple[int, ...]],
+             device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group for the ranks of each collective of `wiring` (or each tuple of ranks given), made when
     first needed. Making a group is a collective of all ranks: every rank calls this with the same wiring at the
     same point. New groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a
