@@ -36,9 +36,10 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -58,6 +59,11 @@ from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
+
+
+def _failed_key(rank: int) -> str:
+    """The store key a rank sets once it has recorded its failure (`record_failure`, `await_reports`)."""
+    return f"fastt/failed/{rank}"
 
 
 class RankError(RuntimeError):
@@ -96,7 +102,15 @@ class Collective:
 
     def held(self, rank: int) -> list[tuple[int, int]]:
         """(name index, replica) of the gradients `rank` holds, in buffer order."""
-        return [(j, k) for j, src in enumerate(self.sources) for k, r in enumerate(src) if r == rank]
+        return self._held.get(rank, [])
+
+    @cached_property
+    def _held(self) -> dict[int, list[tuple[int, int]]]:  # read every step: made once
+        out: dict[int, list[tuple[int, int]]] = {}
+        for j, src in enumerate(self.sources):
+            for k, r in enumerate(src):
+                out.setdefault(r, []).append((j, k))
+        return out
 
 
 @dataclass(frozen=True)
@@ -364,7 +378,10 @@ def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict
         for d, first in enumerate(first_read):
             if a in first:
                 ready.setdefault((d, a), -1)
-    ranks = {a: tuple(sorted(d for d, b in ready if b == a)) for a in low.allreduces}
+    members: dict[int, set[int]] = {a: set() for a in low.allreduces}
+    for d, a in ready:
+        members[a].add(d)
+    ranks = {a: tuple(sorted(ds)) for a, ds in members.items()}
     sent_at = {m: (d, i) for d, ms in enumerate(post.send_after) for i, xs in enumerate(ms) for m in xs}
     finish: list[list[int]] = [[] for _ in segs]  # per rank, the unit-time finish of each segment run so far
     ready_at: dict[int, int] = {}
@@ -534,18 +551,15 @@ def directions(device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]
 _REDUCERS: list = [None, {}]  # [the process group they belong to, {ranks: group}]
 
 
-def reducers(wiring: Wiring | Sequence[tuple[int, ...]],
-             device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """A process group for the ranks of each collective of `wiring` (or each tuple of ranks given), made when
-    first needed. Making a group is a collective of all ranks: every rank calls this with the same wiring at the
-    same point. New groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a
+def reducers(sets: Iterable[tuple[int, ...]], device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group for each tuple of ranks in `sets` (a wiring's collectives'), made when first needed.
+    Making a group is a collective of all ranks: every rank calls this with the same sets at the same point. New groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a
     group on its first collective, which blocks until all its ranks are there; started in the step, that would
     wait on ranks that start their collectives in another group first)."""
     if _REDUCERS[0] is not dist.group.WORLD:
         _REDUCERS[:] = [dist.group.WORLD, {}]
     groups = _REDUCERS[1]
-    sets = {c.ranks for c in wiring.collectives} if isinstance(wiring, Wiring) else set(wiring)
-    new = sorted(r for r in sets if len(r) > 1 and r not in groups)
+    new = sorted({r for r in sets if len(r) > 1 and r not in groups})
     for ranks in new:
         groups[ranks] = dist.new_group(list(ranks))
     one = torch.zeros(1, device=device)
@@ -573,7 +587,7 @@ class _RankRun(_Run):
             self.streams = (torch.cuda.default_stream(buffers.device),) * len(programs.devices)
         self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
-        self.reducers = reducers(wiring, buffers.device)
+        self.reducers = reducers((c.ranks for c in wiring.collectives), buffers.device)
         # collective -> per dtype (leaves, buffer, its all_reduce), or its all_gather (None: a rank on its own)
         self.started: dict[int, object] = {}
         # On a GPU, what to wait for at the end: (message, its receive) and (collective, its work).
@@ -671,13 +685,13 @@ class _RankRun(_Run):
                 continue
             self._wait(col, started)
             grads: list[list] = [[None] * len(col.names) for _ in range(self.low.replicas)]
+            out = self.buffers.get((c, "out"), col.slot * len(col.ranks)) if started is not None else None
             for i, r in enumerate(col.ranks):
                 held = col.held(r)
-                if r == self.rank or started is None:
+                if r == self.rank or out is None:
                     values = [self.envs[k][col.names[j]] for j, k in held]
                 else:
                     leaves = [col.leaves[j] for j, _ in held]
-                    out = self.buffers.get((c, "out"), col.slot * len(col.ranks))
                     values = _unpack(out[i * col.slot:i * col.slot + _packed_size(leaves)], leaves)
                 for (j, k), v in zip(held, values):
                     grads[k][j] = v
@@ -916,7 +930,7 @@ def record_failure(message: str, lost_peer: bool = False) -> str:
             if dead:
                 message += f"; rank {', '.join(map(str, dead))} stopped (no heartbeat)"
         first = store.compare_set(FAILED_KEY, "", message).decode()
-        store.set(f"fastt/failed/{dist.get_rank()}", "1")
+        store.set(_failed_key(dist.get_rank()), "1")
     except Exception:  # noqa: BLE001 - the store may be gone with the process that hosted it
         if lost_peer and dist.get_rank() != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             message += "; rank 0 stopped (the store it hosts is gone)"  # started without torchrun's agent
@@ -942,7 +956,7 @@ def await_reports(wait_s: float = 25.0) -> None:
         store.set_timeout(timedelta(seconds=5))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            missing = [r for r in range(1, dist.get_world_size()) if not store.check([f"fastt/failed/{r}"])]
+            missing = [r for r in range(1, dist.get_world_size()) if not store.check([_failed_key(r)])]
             if set(missing) <= set(silent_ranks(store, missing)):
                 return
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
