@@ -23,6 +23,7 @@ from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import (
     GATHER_SHAPES,
+    Collective,
     Wiring,
     _pack,
     _packed_size,
@@ -31,7 +32,7 @@ from fastt.runtime.distributed import (
     fit_gather,
     wire,
 )
-from fastt.runtime.local import place
+from fastt.runtime.local import place, replica_mean
 
 
 @functools.cache
@@ -41,14 +42,15 @@ def captured(name: str) -> fastt.OpGraph:
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31), replicas=st.sampled_from([1, 2]), name=st.sampled_from(["mlp", "transformer"]))
-def test_every_read_is_delivered_in_time(seed: int, replicas: int, name: str) -> None:
+@given(seed=st.integers(0, 2**31), replicas=st.sampled_from([1, 2, 4]), n_dev=st.sampled_from([2, 3]),
+       name=st.sampled_from(["mlp", "transformer"]))
+def test_every_read_is_delivered_in_time(seed: int, replicas: int, n_dev: int, name: str) -> None:
     g = captured(name)
     dg = data_parallel_graph(g, replicas)
     rng = random.Random(seed)
     rank = random_topological_rank(dg, rng)
-    s = strategy_from(dg, "random", 2, [rng.randrange(2) for _ in dg.ops], start=rank, replicas=replicas)
-    placed = place(g, s, cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    s = strategy_from(dg, "random", n_dev, [rng.randrange(n_dev) for _ in dg.ops], start=rank, replicas=replicas)
+    placed = place(g, s, cluster(f"cpu:{n_dev}"), MeasuredCosts("cpu", 1))
     low, programs = placed.lowered, placed.programs
     w = wire(low, programs)
     where = {}
@@ -113,23 +115,33 @@ def check_collectives(w: Wiring, low, programs, where: dict) -> None:
 
 def run_in_any_order(w: Wiring, programs, rng: random.Random) -> None:
     """Run the ranks' segments in a random interleaving, as processes may: a segment runs once its messages
-    were sent and every rank of its collectives started them. Fails on a deadlock."""
+    were sent and its collectives completed. A collective completes once every rank of it started it and
+    completed the ones it started before (a rank's collectives run one at a time, in order, as the sharded form's
+    do). Fails on a deadlock."""
     n = len(programs.devices)
-    done, sent, started = [0] * n, set(), {}
-    for d in range(n):
-        for c in w.start_before[d][0]:
-            started.setdefault(c, set()).add(d)
+    done, sent, started = [0] * n, set(), set()
+    before = {(d, c): [c2 for cs in w.start_before[d] for c2 in cs if c2 < c] for d in range(n)
+              for cs in w.start_before[d] for c in cs}
+
+    def completed() -> set[int]:  # every rank starts in the collectives' order: one pass in it
+        out: set[int] = set()
+        for c, col in enumerate(w.collectives):
+            if all((d, c) in started and set(before[d, c]) <= out for d in col.ranks):
+                out.add(c)
+        return out
+
+    started.update((d, c) for d in range(n) for c in w.start_before[d][0])
     while True:
+        ok = completed()
         ready = [d for d in range(n) if done[d] < len(programs.devices[d])
                  and all(m in sent for m in w.recv_before[d][done[d]])
-                 and all(started.get(c, set()) == set(w.collectives[c].ranks) for c in w.reduce_before[d][done[d]])]
+                 and set(w.reduce_before[d][done[d]]) <= ok]
         if not ready:
             break
         d = rng.choice(ready)
         sent.update(w.send_after[d][done[d]])
         done[d] += 1
-        for c in w.start_before[d][done[d]]:
-            started.setdefault(c, set()).add(d)
+        started.update((d, c) for c in w.start_before[d][done[d]])
     assert done == [len(s) for s in programs.devices], f"deadlock: ranks stopped at segments {done}"
 
 
@@ -158,6 +170,45 @@ def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
         assert torch.equal(x, y) and y.dtype == x.dtype and y.stride() == tuple(leaf[1])
         if x.numel():
             assert y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 4), replicas=st.integers(3, 5))
+def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int, replicas: int) -> None:
+    """Gradients of several shapes, layouts and dtypes, each replica's on any rank: the sharded form (each rank
+    packs, an all_to_all as slicing, each owner sums its shard, an all_gather as concatenation) gives every
+    rank `replica_mean`'s result exactly."""
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    kinds = [((5, 3), False, torch.float32), ((4, 6), True, torch.float32), ((0,), False, torch.float32),
+             ((7,), False, torch.float64), ((1,), False, torch.float32), ((3, 2, 4), True, torch.float32)]
+    chosen = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=6))
+    ranks = tuple(sorted(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))))
+    grads, leaves = [], []
+    for shape, transposed, dtype in chosen:
+        xs = [torch.randn(shape[::-1] if transposed else shape, dtype=dtype) for _ in range(replicas)]
+        xs = [x.t() if transposed and x.dim() == 2 else x.permute(2, 1, 0) if transposed else x for x in xs]
+        grads.append(xs)
+        leaves.append((xs[0].shape, xs[0].stride(), dtype))
+    names = tuple(f"g{j}" for j in range(len(chosen)))
+    sources = tuple(tuple(data.draw(st.sampled_from(ranks)) for _ in range(replicas)) for _ in names)
+    col = Collective(ranks, (0,), names, sources, tuple(leaves))
+    envs = [{x: grads[j][k] for j, x in enumerate(names)} for k in range(replicas)]
+    want = dict(zip(names, replica_mean([[grads[j][k] for j in range(len(names))] for k in range(replicas)])))
+    for dtype_index in range(len(col.shards(ranks[0]))):
+        mine = {r: col.shards(r)[dtype_index] for r in ranks}
+        sent = {r: sh.pack(envs, col, torch.empty(sum(sh.send_counts), dtype=sh.dtype)) for r, sh in mine.items()}
+        pieces = {r: torch.split(sent[r], list(sh.send_counts)) for r, sh in mine.items()}
+        shards = []
+        for i, r in enumerate(ranks):
+            sh = mine[r]
+            recv = torch.cat([pieces[src][i] for src in ranks])
+            assert [len(pieces[src][i]) for src in ranks] == list(sh.recv_counts)
+            shard = torch.full((sh.size,), float("nan"), dtype=sh.dtype)
+            sh.mean(recv, shard)
+            shards.append(shard)
+        for r in ranks:
+            for x, mean in mine[r].means(torch.cat(shards), col).items():
+                assert torch.equal(mean, want[x]) and mean.stride() == want[x].stride() or not mean.numel()
 
 
 def test_fit_gather_recovers_the_plane() -> None:

@@ -10,7 +10,8 @@ point-to-point messages, all known before the first step (`wire`):
   that come earlier in a valid plan, so no order of ranks can deadlock (the local runtime's argument).
 - an allreduce: a collective of the ranks that hold one of its gradients or read its mean, after which all of
   them hold the same mean, bit for bit the local runtime's and eager data parallelism's (the sum in replica
-  order): an `all_reduce` for two replicas (a + b is b + a), else an `all_gather` that each sums in order.
+  order): an `all_reduce` for two replicas (a + b is b + a), else each rank sums its shard of the mean in order
+  (an `all_to_all` brings it the replicas' parts) and an `all_gather` of the shards follows (`Collective`).
   Ranks start the collectives they share in one order, which cannot deadlock (`_collectives`); allreduces that
   become ready together go in one.
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
@@ -33,10 +34,12 @@ import copy
 import hashlib
 import itertools
 import os
+import queue
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
@@ -88,29 +91,114 @@ class Collective:
     """Allreduce ops whose gradients `ranks` average together: the ranks that hold one of the gradients or read
     the mean. `names`: the gradients, each with the rank that holds it per replica (`sources`) and its (shape,
     stride, dtype) (`leaves`). Two replicas: each rank adds up the ones it holds (or zeros) and an `all_reduce`
-    sums them. More: each rank packs the gradients it holds (`held`) into a buffer of `slot` bytes (the most any
-    rank holds), `all_gather`s them, and sums the replicas in replica order, as eager data parallelism does.
-    Either way every rank gets eager's mean bit for bit; an `all_reduce` of more than two would sum in an order
-    of its own."""
+    sums them. More: the mean's vector is cut into one shard per rank (`shards`); an `all_to_all` brings every
+    replica's part of a shard to the rank that owns it, which sums them in replica order, as eager data
+    parallelism does, and an `all_gather` of the shards gives every rank the mean: the traffic of a ring
+    `all_reduce`, whose own sum of more than two would go in an order of its own. Either way every rank gets
+    eager's mean bit for bit."""
 
     ranks: tuple[int, ...]
     ops: tuple[int, ...]
     names: tuple[str, ...]
     sources: tuple[tuple[int, ...], ...]
     leaves: tuple[tuple, ...]
-    slot: int = 0
 
-    def held(self, rank: int) -> list[tuple[int, int]]:
-        """(name index, replica) of the gradients `rank` holds, in buffer order."""
-        return self._held.get(rank, [])
+    def shards(self, rank: int) -> list[Shards]:
+        """How `rank` takes part in the sharded form, one entry per dtype of the gradients."""
+        return self._shards[rank]
 
     @cached_property
-    def _held(self) -> dict[int, list[tuple[int, int]]]:  # read every step: made once
-        out: dict[int, list[tuple[int, int]]] = {}
-        for j, src in enumerate(self.sources):
-            for k, r in enumerate(src):
-                out.setdefault(r, []).append((j, k))
+    def _shards(self) -> dict[int, list[Shards]]:  # read every step: made once
+        out: dict[int, list[Shards]] = {r: [] for r in self.ranks}
+        n, replicas = len(self.ranks), len(self.sources[0])
+        for dtype in dict.fromkeys(leaf[2] for leaf in self.leaves):
+            js = [j for j, leaf in enumerate(self.leaves) if leaf[2] == dtype]
+            ends = list(itertools.accumulate(torch.Size(self.leaves[j][0]).numel() for j in js))
+            size = max(1, -(-ends[-1] // n))
+            # pieces[r][i]: what rank r sends the owner of shard i, in (replica, vector position) order:
+            # (replica, name index, first and end element of the gradient, position in the vector)
+            pieces: dict[int, list[list[tuple]]] = {r: [[] for _ in range(n)] for r in self.ranks}
+            for k in range(replicas):
+                for j, a, b in zip(js, [0, *ends], ends):
+                    for i in range(a // size, -(-b // size)):
+                        lo, hi = max(a, i * size), min(b, (i + 1) * size)
+                        if hi > lo:
+                            pieces[self.sources[j][k]][i].append((k, j, lo - a, hi - a, lo))
+            for i, me in enumerate(self.ranks):
+                rows: list[list[tuple[int, int, int]]] = [[] for _ in range(replicas)]
+                at = 0
+                for r in self.ranks:
+                    for k, _, lo, hi, pos in pieces[r][i]:
+                        rows[k].append((pos, at, at + hi - lo))
+                        at += hi - lo
+                out[me].append(Shards(
+                    dtype, tuple(js), size,
+                    tuple(p[:4] for ps in pieces[me] for p in ps),
+                    tuple(sum(p[3] - p[2] for p in ps) for ps in pieces[me]),
+                    tuple(sum(p[3] - p[2] for p in pieces[r][i]) for r in self.ranks),
+                    tuple(_merged(sorted(row)) for row in rows)))
         return out
+
+
+@dataclass(frozen=True)
+class Shards:
+    """One dtype of a collective of more than two replicas, as one of its ranks sees it. The mean's vector (the
+    gradients `names`, flat, one after another) is cut into one shard of `size` elements per rank of the
+    collective, in rank order (the last one padded). The rank sends slices of the gradients it holds (`send`:
+    (replica, name index, first element, end), in the order sent: by owner, replica, position), `send_counts`
+    elements to each rank; it receives `recv_counts` from each, which put side by side hold every replica's part
+    of its own shard: `rows[k]`, ranges of that buffer that make replica k's part, in order."""
+
+    dtype: torch.dtype
+    names: tuple[int, ...]
+    size: int
+    send: tuple[tuple[int, int, int, int], ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+
+    def pack(self, envs: Sequence[dict], col: Collective, out: torch.Tensor) -> torch.Tensor:
+        """What this rank sends (`envs`: its replicas' tables), into `out`."""
+        flat = {}
+        for k, j, _, _ in self.send:
+            if (k, j) not in flat:
+                flat[k, j] = _flat(envs[k][col.names[j]], col.leaves[j])
+        if self.send:
+            torch.cat([flat[k, j][lo:hi] for k, j, lo, hi in self.send], out=out)
+        return out
+
+    def mean(self, recv: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's shard of the mean into `out`, from what it received: the replicas' parts summed in replica
+        order, then divided, as `replica_mean` does."""
+        rows = [[recv[a:b] for a, b in rs] for rs in self.rows]
+        if not rows[0]:
+            return
+        parts = [r[0] if len(r) == 1 else torch.cat(r) for r in rows]
+        total = out[:parts[0].numel()]
+        torch.add(parts[0], parts[1], out=total)
+        for part in parts[2:]:
+            total.add_(part)
+        torch._foreach_div_([total], float(len(parts)))
+
+    def means(self, gathered: torch.Tensor, col: Collective) -> dict[str, torch.Tensor]:
+        """The mean gradients, views of the gathered shards."""
+        out, at = {}, 0
+        for j in self.names:
+            out[col.names[j]] = _leaf_view(gathered, at, col.leaves[j])
+            at += torch.Size(col.leaves[j][0]).numel()
+        return out
+
+
+def _merged(row: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
+    """Ranges (start, end) of a buffer, from pieces (position, start, end) sorted by position, joining those
+    that follow each other in the buffer too."""
+    out: list[list[int]] = []
+    for _, a, b in row:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
 
 
 @dataclass(frozen=True)
@@ -264,6 +352,26 @@ def _pad(n: int, device: torch.device) -> torch.Tensor:
     return pad[:n]
 
 
+def _flat(x: torch.Tensor, leaf: tuple) -> torch.Tensor:
+    """`x`'s elements as a vector laid out with the captured step's strides (`leaf`): a dense tensor's in its
+    memory order (a view when `x` has those strides), another's contiguous."""
+    shape, stride, _ = leaf
+    if not _dense(shape, stride):
+        return x.contiguous().view(-1)
+    if tuple(x.stride()) != tuple(stride):
+        x = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+    return _wire_view(x)
+
+
+def _leaf_view(typed: torch.Tensor, at: int, leaf: tuple) -> torch.Tensor:
+    """The tensor `_flat` laid out from element `at` of `typed` (a vector of its dtype): a view when dense."""
+    shape, stride, dtype = leaf
+    if _dense(shape, stride):  # as_strided counts from the start of the storage, not of typed
+        return typed.as_strided(shape, stride, typed.storage_offset() + at)
+    numel = torch.Size(shape).numel()
+    return torch.empty_strided(shape, stride, dtype=dtype, device=typed.device).copy_(typed[at:at + numel].view(shape))
+
+
 def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]], out: torch.Tensor | None = None) -> torch.Tensor:
     """One byte buffer holding the tensors of a message, each laid out with the captured step's strides (dense
     ones in their memory order, others contiguous), at offsets aligned to ALIGN: one `cat` of their bytes (into
@@ -272,14 +380,7 @@ def _pack(pairs: Sequence[tuple[torch.Tensor | None, tuple | None]], out: torch.
     for x, leaf in pairs:
         if leaf is None or not x.numel():
             continue  # a None has no bytes, an empty tensor ALIGN-rounded 0
-        shape, stride, _ = leaf
-        if not _dense(shape, stride):
-            flat = x.contiguous().view(-1)
-        else:
-            if tuple(x.stride()) != tuple(stride):
-                x = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).copy_(x)
-            flat = _wire_view(x)
-        raw = flat.view(torch.uint8)
+        raw = _flat(x, leaf).view(torch.uint8)
         pieces.append(raw)
         if _nbytes(leaf) > raw.numel():
             pieces.append(_pad(_nbytes(leaf) - raw.numel(), raw.device))
@@ -295,17 +396,11 @@ def _unpack(buf: torch.Tensor, leaves: Sequence) -> list[torch.Tensor | None]:
         if leaf is None:
             out.append(None)
             continue
-        shape, stride, dtype = leaf
+        dtype = leaf[2]
         view = typed.get(dtype)
         if view is None:
             view = typed[dtype] = buf.view(dtype)
-        at = off // dtype.itemsize
-        if _dense(shape, stride):  # as_strided counts from the start of the storage, not of buf
-            out.append(view.as_strided(shape, stride, view.storage_offset() + at))
-        else:
-            numel = torch.Size(shape).numel()
-            out.append(torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
-                       .copy_(view[at:at + numel].view(shape)))
+        out.append(_leaf_view(view, off // dtype.itemsize, leaf))
         off += _nbytes(leaf)
     return out
 
@@ -421,9 +516,8 @@ def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict
     at = [0] * len(segs)  # per rank, where it started its last collective
     for c, ((_, group), ops) in enumerate(bundles.items()):
         names = tuple(dict.fromkeys(name for a in ops for name in low.allreduces[a]))
-        col = Collective(group, tuple(ops), names, tuple(sources[x] for x in names), tuple(leaf[x] for x in names))
-        collectives.append(replace(col, slot=max(_packed_size([col.leaves[j] for j, _ in col.held(r)])
-                                                 for r in group)))
+        collectives.append(Collective(group, tuple(ops), names, tuple(sources[x] for x in names),
+                                      tuple(leaf[x] for x in names)))
         for d in group:
             at[d] = max(at[d], *(ready[d, a] + 1 for a in ops))
             start[d][at[d]].append(c)
@@ -497,27 +591,72 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
 
 class _Buffers:
     """Buffers of messages and collectives kept from step to step: a fresh buffer of megabytes costs its page
-    faults every step (16 MiB: about 6 ms here). Not for messages that carry a value this rank keeps after the
-    step (a new parameter is a view of the buffer): those get a fresh one each time. A message's key is its
-    index; a collective's, (its index, a dtype) for a sum, (its index, "in" or "out") for a gather."""
+    faults every step (16 MiB: about 6 ms here). Not for messages or collectives that carry a value this rank
+    keeps after the step (a new parameter, or a mean, is a view of the buffer): those get a fresh one each time.
+    A message's key is its index; a collective's, (its index, a dtype) for a sum, (its index, a dtype, a role)
+    for the sharded form."""
 
     def __init__(self, wiring: Wiring, rank: int, device: torch.device) -> None:
         kept = set(wiring.keep[rank].values())
-        names = {name for _, name in kept}  # a mean from a sum is a view of its buffer
+        names = {name for _, name in kept}
         self.fresh = frozenset([*(i for i, m in enumerate(wiring.messages) if m.dst == rank and kept & set(m.values)),
-                                *((c, leaf[2]) for c, col in enumerate(wiring.collectives) if names & set(col.names)
-                                  for leaf in col.leaves)])
+                                *(c for c, col in enumerate(wiring.collectives) if names & set(col.names))])
         self.kept: dict[int | tuple, torch.Tensor] = {}
         self.device = device
 
-    def get(self, key: int | tuple, nbytes: int) -> torch.Tensor:
-        """The buffer of `key` (its sends have completed, its values of the last step are gone)."""
-        if key in self.fresh:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def get(self, key: int | tuple, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """The buffer of `key` (its sends have completed, its values of the last step are gone), viewed as
+        `dtype` (`nbytes` a multiple of its size)."""
+        if (key if isinstance(key, int) else key[0]) in self.fresh:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device).view(dtype)
         buf = self.kept.get(key)
         if buf is None:
             buf = self.kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf
+        return buf.view(dtype)
+
+
+class _Serial:
+    """A thread that runs functions one at a time, in the order they come (`submit`): a rank's collectives of
+    more than two replicas, whose second half (an `all_gather`) can only start once the first has arrived and
+    been summed, and which every rank must start on a process group in one order."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="fastt-collectives").start()
+
+    def submit(self, fn: Callable[[], list]) -> Future:
+        future: Future = Future()
+        self.queue.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            fn, future = self.queue.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the rank that waits for it
+                future.set_exception(e)
+
+
+_SERIAL: list[_Serial] = []
+
+
+class _Then:
+    """The `all_gather`s of a sharded collective, issued by the `_Serial` thread (`future`) or already (a GPU),
+    into `outs` (one per dtype): what `_wait` and `_poll` wait for. Raises what the thread raised."""
+
+    def __init__(self, future: Future, outs: list[torch.Tensor]) -> None:
+        self.future, self.outs = future, outs
+
+    def is_completed(self) -> bool:
+        return self.future.done() and all(w.is_completed() for w in self.future.result())
+
+    def wait(self) -> None:
+        for w in self.future.result():
+            w.wait()
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 _DIRECTIONS: list = [None, {}]  # [the process group they belong to, {(src, dst): group}]
@@ -628,8 +767,7 @@ class _RankRun(_Run):
     def start(self, cs: Sequence[int]) -> None:
         """Start collectives `cs`, not waited for. Two replicas: this rank's part of their sum (both gradients
         added in replica order, one, or zeros) and an `all_reduce` per dtype: a + b is b + a, bit for bit.
-        More: the gradients this rank holds, packed and `all_gather`ed (an `all_reduce` would add them in an
-        order of its own)."""
+        More: the sharded form (`Collective`, `_start_shards`)."""
         for c in cs:
             col = self.wiring.collectives[c]
             if len(col.ranks) == 1:
@@ -637,7 +775,7 @@ class _RankRun(_Run):
             elif self.low.replicas == 2:
                 self.started[c] = self._start_sum(c, col)
             else:
-                self.started[c] = self._start_gather(c, col)
+                self.started[c] = self._start_shards(c, col)
 
     def _start_sum(self, c: int, col: Collective) -> list:
         pairs = []
@@ -656,15 +794,47 @@ class _RankRun(_Run):
             started.append(([leaf for _, leaf in these], buf, work))
         return started
 
-    def _start_gather(self, c: int, col: Collective):
-        held = col.held(self.rank)
-        buf = self.buffers.get((c, "in"), col.slot)
-        size = _packed_size([col.leaves[j] for j, _ in held])
-        if held:
-            _pack([(self.envs[k][col.names[j]], col.leaves[j]) for j, k in held], buf[:size])
-        out = self.buffers.get((c, "out"), col.slot * len(col.ranks))
+    def _start_shards(self, c: int, col: Collective) -> _Then:
+        """The sharded form: this rank's slices of the gradients it holds go to the shards' owners by an
+        `all_to_all`; this rank sums its shard's replicas in replica order and divides (as `replica_mean`), and
+        an `all_gather` of the shards follows. On the CPU the exchange and the sum run on the `_Serial` thread,
+        which starts a rank's collectives in the order they come; on a GPU all of it is queued at once, on a side
+        stream."""
+        group, n = self.reducers[col.ranks], len(col.ranks)
+        jobs = []
+        for sh in col.shards(self.rank):
+            def buf(role: str, numel: int, sh: Shards = sh) -> torch.Tensor:
+                return self.buffers.get((c, sh.dtype, role), numel * sh.dtype.itemsize, sh.dtype)
+            jobs.append((sh, sh.pack(self.envs, col, buf("send", sum(sh.send_counts))),
+                         buf("recv", sum(sh.recv_counts)), buf("mine", sh.size), buf("out", n * sh.size)))
+        timeout = self.timeout
+
+        def exchange() -> list:
+            gathers = []
+            for sh, send, recv, mine, out in jobs:
+                work = dist.all_to_all_single(recv, send, list(sh.recv_counts), list(sh.send_counts), group=group,
+                                              async_op=True)
+                if self.cuda:
+                    work.wait()  # the side stream waits
+                else:
+                    work.wait(timeout)
+                sh.mean(recv, mine)
+                gathers.append(dist.all_gather_into_tensor(out, mine, group=group, async_op=True))
+            return gathers
+
         try:
-            return dist.all_gather_into_tensor(out, buf, group=self.reducers[col.ranks], async_op=True)
+            if not self.cuda:
+                if not _SERIAL:
+                    _SERIAL.append(_Serial())
+                return _Then(_SERIAL[0].submit(exchange), [job[-1] for job in jobs])
+            side = _SIDE.get(self.buffers.device)
+            if side is None:
+                side = _SIDE[self.buffers.device] = torch.cuda.Stream(self.buffers.device)
+            side.wait_stream(torch.cuda.current_stream(self.buffers.device))
+            done: Future = Future()
+            with torch.cuda.stream(side):
+                done.set_result(exchange())
+            return _Then(done, [job[-1] for job in jobs])
         except RuntimeError as e:
             raise LostPeer(self._failed(col, e)) from e
 
@@ -673,31 +843,22 @@ class _RankRun(_Run):
         as `replica_mean` computes it (the sum in replica order, then divided)."""
         for c in cs:
             col, started = self.wiring.collectives[c], self.started.pop(c)
-            if isinstance(started, list):  # a sum
+            if started is None:  # a rank on its own
+                means = dict(zip(col.names, replica_mean([[env[x] for x in col.names] for env in self.envs])))
+            elif isinstance(started, list):  # a sum
                 means = {}
                 for leaves, buf, work in started:
                     self._wait(col, work)
                     buf.view(leaves[0][2]).div_(float(self.low.replicas))
                     means.update(zip([x for x, leaf in zip(col.names, col.leaves) if leaf[2] == leaves[0][2]],
                                      _unpack(buf, leaves)))
-                for env in self.envs:
-                    env.update(means)
-                continue
-            self._wait(col, started)
-            grads: list[list] = [[None] * len(col.names) for _ in range(self.low.replicas)]
-            out = self.buffers.get((c, "out"), col.slot * len(col.ranks)) if started is not None else None
-            for i, r in enumerate(col.ranks):
-                held = col.held(r)
-                if r == self.rank or out is None:
-                    values = [self.envs[k][col.names[j]] for j, k in held]
-                else:
-                    leaves = [col.leaves[j] for j, _ in held]
-                    values = _unpack(out[i * col.slot:i * col.slot + _packed_size(leaves)], leaves)
-                for (j, k), v in zip(held, values):
-                    grads[k][j] = v
-            means = replica_mean(grads)
+            else:
+                self._wait(col, started)
+                means = {}
+                for sh, out in zip(col.shards(self.rank), started.outs):
+                    means.update(sh.means(out, col))
             for env in self.envs:
-                env.update(zip(col.names, means))
+                env.update(means)
 
     def _wait(self, key: int | Collective, work, src: int = -1, name: str = "") -> None:
         """Wait for a receive (message `key`, from `src`, carrying `name` first) or a collective: on a GPU the
@@ -782,7 +943,7 @@ class _RankRun(_Run):
         if self.posted:  # a receive left posted would take the next step's message
             raise RankError(f"messages {sorted(self.posted)[:5]} were posted but never read (a wiring bug)")
         for c, started in self.started.items():  # collectives this rank only contributed to
-            for work in ([w for _, _, w in started] if isinstance(started, list) else [started]):
+            for work in [w for _, _, w in started] if isinstance(started, list) else [started]:
                 self._wait(self.wiring.collectives[c], work)
         self.started.clear()
 
