@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from fastt.cluster import Cluster, Device, Link
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, Op, OpGraph, replicate
 from fastt.report import chrome_trace, write_gantt, write_trace
-from fastt.simulate import Timeline, simulate
+from fastt.simulate import Timeline, inter_node_bytes, simulate
 from fastt.strategy import Strategy
 
 
@@ -210,8 +211,11 @@ def test_gather_allreduce_costs_what_the_cluster_fitted(n: int) -> None:
     release = {f"r{k}/g1": f"r{k}/g2" for k in range(n)}
     tl = simulate(g, strategy, cl, seconds(g, n, per), release=release)
     (c,) = tl.collectives
-    assert c.end - c.start == pytest.approx(0.3 + (n - 1) * (4000 * 1e-3 + 2 * 0.25))
+    assert c.end - c.start == pytest.approx((n - 1) * 0.3 + 2 * (n - 1) / n * 4000 * 1e-3 + 2 * 0.25)
     assert len(c.links) == n * (n - 1)  # every device receives from every other
+    halves = replace(cl, devices=tuple(replace(d, node=2 * k // n) for k, d in enumerate(cl.devices)))
+    tl = simulate(g, strategy, halves, seconds(g, n, per), release=release)
+    assert inter_node_bytes(tl, halves) == 2 * (n // 2) ** 2 * 2 / n * 4000  # a shard each way per pair
 
 
 def test_a_reader_of_an_allreduce_takes_part_in_it() -> None:

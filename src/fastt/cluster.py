@@ -52,10 +52,10 @@ class Cluster:
     """Devices, links, and for every ordered pair of distinct devices the links a transfer uses.
 
     Gradients are averaged by a ring allreduce (NCCL's: the links move 2(n-1)/n of the bytes and reduce on the
-    way) unless `gather` is set: fastt's distributed runtime, whose ranks average by collectives that give every
-    rank the other n-1 gradients (or their sum) to add up in replica order. `gather` = (latency s, s per byte, s
-    per gradient tensor) of one average between two devices, fitted on measured ones; n devices take latency +
-    (n-1)·(the rest)."""
+    way) unless `gather` is set: fastt's distributed runtime, whose ranks average by collectives that sum in
+    replica order. `gather` = (latency s, s per byte, s per gradient tensor) of one average between two devices,
+    fitted on measured ones; n devices take (n-1)·latency + 2(n-1)/n·bytes·(s per byte) + tensors·(s per tensor),
+    as the runtime's sharded sum goes (`simulate._allreduce_cost`)."""
 
     name: str
     devices: tuple[Device, ...]

@@ -133,14 +133,14 @@ def train(args: argparse.Namespace) -> dict | None:
 
 def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
     """Rank 0's median eager step time (after the first); the other ranks wait."""
-    from .runtime.bench import _timed
+    from .runtime.bench import timed
     from .runtime.reference import batch_like, eager_step
 
     times = []
     if dist.get_rank() == 0:
         for i in range(steps):
             b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
-            times.append(_timed(eager_step, model, loss_fn, opt, b))
+            times.append(timed(eager_step, model, loss_fn, opt, b))
     dist.barrier()
     return statistics.median(times[1:] or times) if times else 0.0
 

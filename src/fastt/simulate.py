@@ -419,8 +419,9 @@ def _allreduce_cost(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[int
 
     Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth, plus
     one route latency per step (the largest, since all neighbours step together).
-    Gather (`Cluster.gather`): every device gets the n-1 others' gradients and sums them; it occupies the links
-    between all of them.
+    Fitted (`Cluster.gather`, fastt's distributed runtime): the two-device average scaled to n as its sharded
+    sum goes (an all_to_all, then an all_gather): 2(n-1)/n of the bytes, n-1 latencies, the per-tensor work
+    once; it occupies the links between all of them.
     """
     n = len(group)
     if n == 1:
@@ -428,7 +429,7 @@ def _allreduce_cost(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[int
     if cluster.gather is not None:
         hops = [cluster.route(a, b) for a in group for b in group if a != b]
         latency, per_byte, per_tensor = cluster.gather
-        return tuple(sorted({lk for h in hops for lk in h})), latency, (n - 1) * per_byte, (n - 1) * per_tensor
+        return tuple(sorted({lk for h in hops for lk in h})), (n - 1) * latency, 2 * (n - 1) / n * per_byte, per_tensor
     hops = [cluster.route(group[k], group[(k + 1) % n]) for k in range(n)]
     links = tuple(sorted({lk for h in hops for lk in h}))
     slowest = min(cluster.links[lk].bandwidth for lk in links)
@@ -499,14 +500,14 @@ def human_bytes(n: float) -> str:
 
 def inter_node_bytes(tl: Timeline, cluster: Cluster) -> int:
     """Bytes a simulated step moves between nodes: transfers between devices of different nodes, and each
-    allreduce's hops that cross nodes (ring: 2(n-1)/n of its bytes per hop; gather: all of them from every device
-    to every other, as `_allreduce_cost` costs them)."""
+    allreduce's hops that cross nodes (ring: 2(n-1)/n of its bytes per hop; fitted, the runtime's sharded sum:
+    2/n of them from every device to every other, a shard each way)."""
     node = [d.node for d in cluster.devices]
     total = sum(t.nbytes for t in tl.transfers if node[t.src] != node[t.dst])
     for c in tl.collectives:
         grp, n = c.group, len(c.group)
         if cluster.gather is not None:
-            total += sum(node[a] != node[b] for a in grp for b in grp) * c.nbytes
+            total += sum(node[a] != node[b] for a in grp for b in grp) * 2 / n * c.nbytes
         elif n > 1:
             total += sum(node[grp[i]] != node[grp[(i + 1) % n]] for i in range(n)) * 2 * (n - 1) / n * c.nbytes
     return int(total)

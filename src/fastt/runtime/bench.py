@@ -17,7 +17,7 @@ from .tune import Tuner
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
 
 
-def _timed(fn: Callable, *args: object) -> float:
+def timed(fn: Callable, *args: object) -> float:
     """Wall seconds of fn(*args), with the GPU's queued work included when it runs on one."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:
@@ -52,7 +52,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         batches = [tuple(x.to(home) for x in batch_like(inputs, i)) for i in range(steps)]
         initial = copy.deepcopy(model.state_dict())
         if planner == "eager":
-            times = [_timed(eager_step, model, loss_fn, opt, b) for b in batches]
+            times = [timed(eager_step, model, loss_fn, opt, b) for b in batches]
             results.append({"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
                             "simulated_iteration_s": None, "error": None})
             continue
@@ -61,7 +61,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         times, replicas, tuned = [], [], 0
         for b in batches:
             replicas.append(step.strategy.replicas)
-            times.append(_timed(step, *b))
+            times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
         after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
