@@ -459,7 +459,8 @@ def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict
     when the last of its ranks has made its gradients; allreduces of the same ranks ready at the same T go in one
     collective. A rank starts each collective after its own gradients of it and after the collectives before
     it: all of those were ready by T, so in that run every collective still completes at T, before any rank
-    reads it. That run waits for the same things as a real one, whatever order the ranks happen to run in (a rank
+    reads it, even if it must wait for the ones its ranks started before it (`_Serial` runs a rank's sharded
+    collectives one at a time). That run waits for the same things as a real one, whatever order the ranks happen to run in (a rank
     waits only for messages and collectives), so a real run cannot deadlock either."""
     segs = programs.devices
     ready: dict[tuple[int, int], int] = {}  # (rank, allreduce) -> its last segment making a gradient (-1: none)
