@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
     from .cli import load_workload
     from .runtime.bench import check_against_eager
-    from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
+    from .runtime.distributed import alone_on_rank0, parallelize_distributed, rank_cluster, rank_device
     from .runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
 
     rank, device = dist.get_rank(), rank_device()
@@ -77,7 +78,7 @@ def train(args: argparse.Namespace) -> dict | None:
         name, model, loss_fn, opt, inputs = make()
         if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
             results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
-                                                                                    args.steps),
+                                                                                    args.steps, len(results)),
                             "simulated_iteration_s": None, "error": None})
             continue
         initial = copy.deepcopy(model.state_dict())
@@ -115,11 +116,13 @@ def train(args: argparse.Namespace) -> dict | None:
         if step_diffs:
             results[-1]["max_step_rel_diff"] = max(step_diffs)
             worst = max(worst, max(step_diffs))
-        if args.check and rank == 0:
-            diff = check_against_eager(make, str(device), initial, batches, replicas, torch.get_num_threads(),
-                                       model)
-            results[-1]["max_param_rel_diff"] = diff
-            worst = max(worst, diff)
+        if args.check:
+            check = functools.partial(check_against_eager, make, str(device), initial, batches, replicas,
+                                      torch.get_num_threads(), model)
+            diff = alone_on_rank0(check, f"fastt/checked/{len(results)}")
+            if rank == 0:
+                results[-1]["max_param_rel_diff"] = diff
+                worst = max(worst, diff)
         dist.barrier()
     if rank != 0:
         return None
@@ -131,18 +134,22 @@ def train(args: argparse.Namespace) -> dict | None:
             "max_param_rel_diff": worst if args.check or args.check_steps else None}
 
 
-def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
-    """Rank 0's median eager step time (after the first); the other ranks wait."""
+def _eager_time(model, loss_fn, opt, inputs, steps: int, k: int) -> float:
+    """Rank 0's median eager step time (after the first); the other ranks wait (`k`: the planner's index)."""
     from .runtime.bench import timed
+    from .runtime.distributed import alone_on_rank0
     from .runtime.reference import batch_like, eager_step
 
-    times = []
-    if dist.get_rank() == 0:
+    def run() -> float:
+        times = []
         for i in range(steps):
             b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
             times.append(timed(eager_step, model, loss_fn, opt, b))
+        return statistics.median(times[1:] or times)
+
+    time_s = alone_on_rank0(run, f"fastt/eager_timed/{k}")
     dist.barrier()
-    return statistics.median(times[1:] or times) if times else 0.0
+    return time_s or 0.0
 
 
 def parser() -> argparse.ArgumentParser:

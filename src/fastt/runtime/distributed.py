@@ -1152,6 +1152,28 @@ def start_heartbeat() -> Callable[[], None]:
     return halt
 
 
+def alone_on_rank0(fn: Callable[[], object], key: str) -> object:
+    """`fn()` on rank 0 while the others wait for it, however long it takes (rank 0's eager check or timing,
+    where a barrier would time out): each waits for `key` in the store as long as rank 0's heartbeat goes on,
+    and names rank 0 when it stops. Returns fn's result on rank 0, None elsewhere."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        out = fn()
+        store.set(key, "1")
+        return out
+    while True:
+        try:
+            if store.check([key]):
+                return None
+            silent = silent_ranks(store, [0])
+        except Exception as e:  # the store is gone with rank 0 (started without torchrun)
+            raise LostPeer(record_failure(f"rank {dist.get_rank()}: lost rank 0 while it worked alone "
+                                          f"({type(e).__name__}: {e})", lost_peer=True)) from e
+        if silent or failure_recorded():
+            why = "rank 0 stopped (no heartbeat)" if silent else "another rank failed"
+            raise LostPeer(record_failure(f"rank {dist.get_rank()}: stopped waiting for rank 0: {why}"))
+
+
 def silent_ranks(store, ranks: Sequence[int] | None = None, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
     """The other ranks (of `ranks`, default all) whose heartbeat count did not move in `wait_s` (ranks that never
     beat are left out)."""
