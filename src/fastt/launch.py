@@ -78,7 +78,7 @@ def train(args: argparse.Namespace) -> dict | None:
         name, model, loss_fn, opt, inputs = make()
         if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
             results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
-                                                                                    args.steps, len(results)),
+                                                                                    args.steps),
                             "simulated_iteration_s": None, "error": None})
             continue
         initial = copy.deepcopy(model.state_dict())
@@ -119,7 +119,7 @@ def train(args: argparse.Namespace) -> dict | None:
         if args.check:
             check = functools.partial(check_against_eager, make, str(device), initial, batches, replicas,
                                       torch.get_num_threads(), model)
-            diff = alone_on_rank0(check, f"fastt/checked/{len(results)}")
+            diff = alone_on_rank0(check)
             if rank == 0:
                 results[-1]["max_param_rel_diff"] = diff
                 worst = max(worst, diff)
@@ -134,8 +134,8 @@ def train(args: argparse.Namespace) -> dict | None:
             "max_param_rel_diff": worst if args.check or args.check_steps else None}
 
 
-def _eager_time(model, loss_fn, opt, inputs, steps: int, k: int) -> float:
-    """Rank 0's median eager step time (after the first); the other ranks wait (`k`: the planner's index)."""
+def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
+    """Rank 0's median eager step time (after the first); the other ranks wait."""
     from .runtime.bench import timed
     from .runtime.distributed import alone_on_rank0
     from .runtime.reference import batch_like, eager_step
@@ -147,7 +147,7 @@ def _eager_time(model, loss_fn, opt, inputs, steps: int, k: int) -> float:
             times.append(timed(eager_step, model, loss_fn, opt, b))
         return statistics.median(times[1:] or times)
 
-    time_s = alone_on_rank0(run, f"fastt/eager_timed/{k}")
+    time_s = alone_on_rank0(run)
     dist.barrier()
     return time_s or 0.0
 

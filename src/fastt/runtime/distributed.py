@@ -64,6 +64,11 @@ DEFAULT_TIMEOUT_S = 20.0
 FAILED_KEY = "fastt/first_failure"
 
 
+def _beat_key(rank: int) -> str:
+    """The store key counting a rank's heartbeats (`start_heartbeat`)."""
+    return f"fastt/heartbeat/{rank}"
+
+
 def _failed_key(rank: int) -> str:
     """The store key a rank sets once it has recorded its failure (`record_failure`, `await_reports`)."""
     return f"fastt/failed/{rank}"
@@ -1058,12 +1063,13 @@ class DistributedStep:
         takes rank 0's model and optimizer state first, since the others only keep what their devices read."""
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, timings)
-        box: list = [None]
-        if self.rank == 0:
+        def observe() -> tuple:  # may replan, which takes rank 0 a while
             before, segs = self.placed, self.placed.programs.devices
             self.tuner.observe(self, seconds, [(segs[d][i], d, s) for d, ts in enumerate(everyone) for i, s in ts])
             changed = self.placed.strategy != before.strategy
-            box = [(self.placed.strategy.to_json() if changed else None, self.tuner.active)]
+            return self.placed.strategy.to_json() if changed else None, self.tuner.active
+
+        box = [alone_on_rank0(observe)]
         dist.broadcast_object_list(box, src=0)
         switch, self.tuner.active = box[0]
         if switch is not None:
@@ -1137,7 +1143,7 @@ def start_heartbeat() -> Callable[[], None]:
     def beat() -> None:
         while not stop.is_set():
             try:
-                store.add(f"fastt/heartbeat/{rank}", 1)
+                store.add(_beat_key(rank), 1)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
             stop.wait(HEARTBEAT_S)
@@ -1152,26 +1158,42 @@ def start_heartbeat() -> Callable[[], None]:
     return halt
 
 
-def alone_on_rank0(fn: Callable[[], object], key: str) -> object:
-    """`fn()` on rank 0 while the others wait for it, however long it takes (rank 0's eager check or timing,
-    where a barrier would time out): each waits for `key` in the store as long as rank 0's heartbeat goes on,
-    and names rank 0 when it stops. Returns fn's result on rank 0, None elsewhere."""
-    store = dist.distributed_c10d._get_default_store()
+_ALONE = itertools.count()
+
+
+def alone_on_rank0(fn: Callable[[], object]) -> object:
+    """`fn()` on rank 0 while the others wait for it, however long it takes (planning, calibrating, the eager
+    check: a barrier or broadcast would time out): each waits for a key in the store as long as rank 0's
+    heartbeat goes on, and names rank 0 when it stops. Every rank calls it at the same point, like a collective.
+    Returns fn's result on rank 0, None elsewhere."""
+    store, key = dist.distributed_c10d._get_default_store(), f"fastt/alone/{next(_ALONE)}"
     if dist.get_rank() == 0:
         out = fn()
         store.set(key, "1")
         return out
+    me, nap, beats, moved, look = dist.get_rank(), 1e-4, 0, time.monotonic(), 0.0
     while True:
         try:
             if store.check([key]):
                 return None
-            silent = silent_ranks(store, [0])
+            now = time.monotonic()
+            if now > look:  # rank 0's heartbeat, every heartbeat period
+                look = now + HEARTBEAT_S
+                count = store.add(_beat_key(0), 0)
+                if count != beats:
+                    beats, moved = count, now
+                elif beats and now - moved > 4 * HEARTBEAT_S:
+                    raise LostPeer(record_failure(f"rank {me}: rank 0 stopped (no heartbeat) while the others "
+                                                  "waited for it"))
+                if failure_recorded():
+                    raise LostPeer(record_failure(f"rank {me}: stopped waiting for rank 0: a rank failed"))
+        except LostPeer:
+            raise
         except Exception as e:  # the store is gone with rank 0 (started without torchrun)
-            raise LostPeer(record_failure(f"rank {dist.get_rank()}: lost rank 0 while it worked alone "
-                                          f"({type(e).__name__}: {e})", lost_peer=True)) from e
-        if silent or failure_recorded():
-            why = "rank 0 stopped (no heartbeat)" if silent else "another rank failed"
-            raise LostPeer(record_failure(f"rank {dist.get_rank()}: stopped waiting for rank 0: {why}"))
+            raise LostPeer(record_failure(f"rank {me}: lost rank 0 while it worked alone ({type(e).__name__}: {e})",
+                                          lost_peer=True)) from e
+        time.sleep(nap)
+        nap = min(2 * nap, 0.01)
 
 
 def silent_ranks(store, ranks: Sequence[int] | None = None, wait_s: float = 4 * HEARTBEAT_S) -> list[int]:
@@ -1181,7 +1203,7 @@ def silent_ranks(store, ranks: Sequence[int] | None = None, wait_s: float = 4 * 
     ranks = [r for r in (range(dist.get_world_size()) if ranks is None else ranks) if r != me]
     if not ranks:
         return []
-    keys = [f"fastt/heartbeat/{r}" for r in ranks]
+    keys = [_beat_key(r) for r in ranks]
     before = [store.add(k, 0) for k in keys]
     time.sleep(wait_s)
     return [r for r, k, b in zip(ranks, keys, before) if b and store.add(k, 0) == b]
@@ -1309,7 +1331,8 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
                 gather = fit_gather(points, times)
         dist.barrier()
     cpu = device.type == "cpu"
-    box = [(fitted, calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None, gather) if rank == 0 else None]
+    speed = alone_on_rank0(lambda: calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None)
+    box = [(fitted, speed, gather) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     fitted, dev, gather = box[0]
     if cpu:
@@ -1371,8 +1394,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     batches = ([graph.batch // strategy.replicas] if strategy is not None and tuner is None else
                [graph.batch] + ([graph.batch // world] if graph.batch % world == 0 else []))
     costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
-    if strategy is None and rank == 0:
-        strategy = plan(graph, cl, "fastt", measured=costs)
+    if strategy is None:
+        strategy = alone_on_rank0(lambda: plan(graph, cl, "fastt", measured=costs))
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
