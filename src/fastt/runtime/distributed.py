@@ -465,8 +465,8 @@ def _collectives(low: Lowered, programs: Programs, post: _Post, segment_of: dict
     collective. A rank starts each collective after its own gradients of it and after the collectives before
     it: all of those were ready by T, so in that run every collective still completes at T, before any rank
     reads it, even if it must wait for the ones its ranks started before it (`_Serial` runs a rank's sharded
-    collectives one at a time). That run waits for the same things as a real one, whatever order the ranks happen to run in (a rank
-    waits only for messages and collectives), so a real run cannot deadlock either."""
+    collectives one at a time). That run waits for the same things as a real one, whatever order the ranks
+    happen to run in (a rank waits only for messages and collectives), so a real run cannot deadlock either."""
     segs = programs.devices
     ready: dict[tuple[int, int], int] = {}  # (rank, allreduce) -> its last segment making a gradient (-1: none)
     sources = {}
@@ -698,9 +698,10 @@ _REDUCERS: list = [None, {}]  # [the process group they belong to, {ranks: group
 
 def reducers(sets: Iterable[tuple[int, ...]], device: torch.device) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group for each tuple of ranks in `sets` (a wiring's collectives'), made when first needed.
-    Making a group is a collective of all ranks: every rank calls this with the same sets at the same point. New groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a
-    group on its first collective, which blocks until all its ranks are there; started in the step, that would
-    wait on ranks that start their collectives in another group first)."""
+    Making a group is a collective of all ranks: every rank calls this with the same sets at the same point. New
+    groups are made, then connected with one `all_reduce` each, in sorted order (NCCL connects a group on its
+    first collective, which blocks until all its ranks are there; started in the step, that would wait on ranks
+    that start their collectives in another group first)."""
     if _REDUCERS[0] is not dist.group.WORLD:
         _REDUCERS[:] = [dist.group.WORLD, {}]
     groups = _REDUCERS[1]
@@ -733,7 +734,8 @@ class _RankRun(_Run):
         self.sends: list = []  # (message, buffer, its send)
         self.posted: dict[int, tuple] = {}  # message -> (buffer, its posted receive)
         self.reducers = reducers((c.ranks for c in wiring.collectives), buffers.device)
-        # collective -> per dtype (leaves, buffer, its all_reduce), or its all_gather (None: a rank on its own)
+        # collective -> a sum's per dtype (leaves, buffer, its all_reduce), the sharded form's `_Then`, or None (a
+        # rank on its own)
         self.started: dict[int, object] = {}
         # On a GPU, what to wait for at the end: (message, its receive) and (collective, its work).
         self.pending: list = []
@@ -1063,6 +1065,7 @@ class DistributedStep:
         takes rank 0's model and optimizer state first, since the others only keep what their devices read."""
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, timings)
+
         def observe() -> tuple:  # may replan, which takes rank 0 a while
             before, segs = self.placed, self.placed.programs.devices
             self.tuner.observe(self, seconds, [(segs[d][i], d, s) for d, ts in enumerate(everyone) for i, s in ts])
