@@ -59,6 +59,8 @@ def nbytes(val: object) -> int:
 
 
 def _arg_nodes(node: Node) -> list[Node]:
+    """The nodes whose values `node` reads from other ops. A get_attr constant (a tensor the model's code makes,
+    such as transformers' empty key/value cache) is no op: the step holds it, so every device has it."""
     return [a for a in node.all_input_nodes if a.op != "get_attr"]
 
 
@@ -158,7 +160,7 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                 out_bytes += nbytes(n.meta.get("val"))
             if n.op == "call_function" and n.target not in ALIAS:
                 flops += _flops(n)
-                io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in _arg_nodes(n))
+                io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
                 shapes.append(_shape_key(n))
         if k == UPDATE:
             out_bytes = 0  # written in place into the parameter and its state
@@ -169,7 +171,8 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
         head = next((n for n in nodes if n.op == "call_function" and n.target not in ALIAS), nodes[0])
         target = "update" if k == UPDATE else str(head.target) if head.op == "call_function" else "placeholder"
         order = list(reads)
-        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and group[a] != gname else -1
+        read = set(_arg_nodes(head))
+        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and a in read and group[a] != gname else -1
                            for a in head.args) if head.op == "call_function" else ()
         index[gname] = len(ops)
         ops.append(Op(name=gname, kind=k, target=target, inputs=inputs,

@@ -3,7 +3,8 @@
 A task runs the fx nodes of one placed op for one replica: all of the op's aten calls, or one part of a split op
 (`split.run_part` on the head node), or the join of a split op's parts followed by the alias nodes that read it.
 Allreduces are not placed: the runtime runs each once, for the first task that needs it. Resident tensors and
-inputs are placeholders of the captured step, bound before the step runs.
+inputs are placeholders of the captured step, bound before the step runs; its constants (get_attr nodes) are read
+into every replica's table before the step, as every device has them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Lowered:
     replicas: int
     programs: tuple[tuple[Task, ...], ...]
     allreduces: dict[int, tuple[str, ...]]
-    prelude: tuple[str, ...] = ()  # alias nodes of residents and inputs (views of a parameter): run first
+    prelude: tuple[str, ...] = ()  # constants, alias nodes of residents and inputs (views of a parameter): run first
 
 
 def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
@@ -80,8 +81,9 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     programs = tuple(tuple(_task(g, g.index[name], call_nodes) for name in order
                            if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
     allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops) if op.kind == ALLREDUCE}
-    prelude = tuple(dict.fromkeys(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
-                                  for n in op.nodes if n in call_nodes))
+    constants = [name for name, n in nodes.items() if n.op == "get_attr"]
+    prelude = tuple(dict.fromkeys([*constants, *(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
+                                                 for n in op.nodes if n in call_nodes)]))
     order = {name: k for k, name in enumerate(nodes)}
     return Lowered(graph=g, step=step, replicas=strategy.replicas, programs=programs, allreduces=allreduces,
                    prelude=tuple(sorted(prelude, key=order.__getitem__)))

@@ -562,6 +562,8 @@ def _final(low: Lowered, programs: Programs, where: dict, post: _Post):
     # Tasks read a parameter itself or through a view of it made before the step (the prelude).
     root: dict[str, str] = {}
     for name in low.prelude:
+        if nodes[name].op == "get_attr":  # a constant: every rank holds it, nobody updates it
+            continue
         base = nodes[name].all_input_nodes[0].name
         root[name] = root.get(base, base)
     readers: dict[str, set[int]] = {x: {0} for x in [*new, *partial]}

@@ -22,6 +22,7 @@ truth) and are copied to the other devices that read them. The step ends by sync
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -320,6 +321,9 @@ class _Run:
 
     def call(self, name: str, env: dict) -> None:
         n = self.nodes[name]
+        if n.op == "get_attr":  # a constant of the step (lowering puts them in the prelude)
+            env[name] = operator.attrgetter(n.target)(self.low.step.gm)
+            return
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a.name])
         env[name] = n.target(*args, **kwargs)
 
