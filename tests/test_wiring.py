@@ -152,6 +152,16 @@ def test_a_one_device_plan_sends_nothing() -> None:
     assert not w.messages and not w.final
 
 
+def test_the_steps_constants_travel_nowhere() -> None:
+    """Every rank holds the step's constants (the Llama's empty key/value cache tensors): no message carries one."""
+    g = captured("llama")
+    placed = place(g, fastt.plan(g, "cpu:2", "dpos"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    w = wire(placed.lowered, placed.programs)
+    constants = {n.name for n in g.fx.gm.graph.nodes if n.op == "get_attr"}
+    assert constants and constants <= set(placed.lowered.prelude) and w.messages
+    assert not constants & {name for m in w.messages for _, name in m.values}
+
+
 def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
     """A message buffer round-trips tensors of several dtypes and layouts; dense ones come back as views of it
     with the captured strides (a transposed one stays transposed), others contiguous in their captured shape."""

@@ -31,10 +31,12 @@ PAPER_PARAMS: dict[str, float] = {
     "rnnlm": 66e6,                    # Zaremba et al. 2014, large PTB model
     "gnmt": 160e6,                    # MLPerf GNMT v2 (shared embedding)
     "mlp": 150.8e6,                   # our own: 1024-8192-8192-8192-1000
+    "llama": 1.1e9,                   # TinyLlama-1.1B (Zhang et al. 2024)
+    "distilbert-padded": 66e6,        # DistilBERT (Sanh et al. 2019), with its MLM head 67.0M
 }
 
 HAS_DROPOUT = ("alexnet", "vgg19", "inception_v3", "transformer", "bert-base", "bert-large", "gpt2", "rnnlm",
-               "gnmt", "mlp")
+               "gnmt", "mlp", "distilbert-padded")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""The model zoo: the training workloads of the FastT paper, at a fast `test` size and the `paper` size.
+"""The model zoo: the training workloads of the FastT paper and two that people train today (a Llama, DistilBERT
+on padded batches), at a fast `test` size and the `paper` size.
 
 ``get(name, size)`` returns a :class:`Workload`: a model, its loss function, an optimizer over its parameters and
 an example batch. One training step is ``loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])``.
@@ -19,7 +20,7 @@ from fastt.errors import FasttError
 from fastt.zoo import sequence, vision
 
 NAMES: tuple[str, ...] = ("lenet", "alexnet", "vgg19", "inception_v3", "resnet50", "resnet200", "transformer",
-                          "bert-base", "bert-large", "gpt2", "rnnlm", "gnmt", "mlp")
+                          "bert-base", "bert-large", "gpt2", "rnnlm", "gnmt", "mlp", "llama", "distilbert-padded")
 SIZES: tuple[str, ...] = ("test", "paper")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
@@ -52,6 +53,8 @@ _REGISTRY: dict[str, tuple[Builder, int, int]] = {
     "rnnlm": (sequence.rnnlm, 64, 64),
     "gnmt": (sequence.gnmt, 64, 128),
     "mlp": (vision.mlp, 256, 256),
+    "llama": (_hf("llama"), 16, 8),
+    "distilbert-padded": (_hf("distilbert_padded"), 16, 32),
 }
 assert tuple(_REGISTRY) == NAMES
 

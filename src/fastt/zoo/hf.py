@@ -1,9 +1,11 @@
-"""Hugging Face models of the zoo (BERT-base, BERT-large, GPT-2 small), built from a config with no download.
+"""Hugging Face models of the zoo (BERT-base, BERT-large, GPT-2 small, a Llama, DistilBERT on padded batches),
+built from a config with no download.
 
 ``transformers`` is imported lazily inside the builders, so importing ``fastt.zoo`` stays fast and works without
-it. Every model uses ``attn_implementation="eager"`` (attention as plain matmul/softmax ops) and is wrapped in
-:class:`LogitsOnly`, whose forward returns a plain logits tensor. Builders have the signature
-``build(size, batch, dropout) -> (model, loss_fn, (input_ids, labels))``.
+it. BERT and GPT-2 use ``attn_implementation="eager"`` (attention as plain matmul/softmax ops); the Llama and
+DistilBERT keep the default (SDPA), as users build them. Every model is wrapped in :class:`LogitsOnly`, whose
+forward returns a plain logits tensor. Builders have the signature
+``build(size, batch, dropout) -> (model, loss_fn, (input_ids, [attention_mask,] labels))``.
 """
 
 from __future__ import annotations
@@ -23,26 +25,36 @@ MASK_FRACTION = 0.15  # BERT's masked-LM fraction; the other positions are label
 
 
 class LogitsOnly(nn.Module):
-    """Wraps a Hugging Face LM: ``forward(input_ids)`` returns the logits tensor ``(batch, length, vocab)``.
+    """Wraps a Hugging Face LM: ``forward(input_ids[, attention_mask])`` returns the logits tensor
+    ``(batch, length, vocab)``.
 
-    BERT gets no attention mask (every position is a real token), so transformers builds none; given a padding
-    mask it would check its values (``mask.all()``), a data-dependent branch that symbolic tracing cannot take.
-    GPT-2 gets an all-ones mask: without one, transformers inspects ``position_ids`` for packed sequences (also
-    data-dependent). ``pad_token_id`` is None, so no padding check on the token values runs either. For BERT
-    (``bert=True``) position and token type ids are passed explicitly, so its real ``position_ids`` and
-    ``token_type_ids`` buffers are never read (a fake-mode trace of a real-tensor workload rejects real tensors
-    it did not get as inputs).
+    What transformers is given decides which of its checks on tensor values run: a branch on values, which fake
+    tracing takes from a real example batch and guards (`fastt.guards`) but cannot take from fake tensors (the
+    zoo's paper size). BERT gets no attention mask (every position is a real token), so transformers builds none.
+    GPT-2 gets an all-ones mask: without one, transformers inspects ``position_ids`` for packed sequences. The
+    Llama gets neither (``ones_mask=False``): its key/value cache makes transformers skip that inspection, and
+    its causal mask is SDPA's ``is_causal``. A padded batch's 2D ``attention_mask`` is passed on as the 4D
+    boolean mask transformers would build from it: given the 2D mask, transformers first checks whether anything
+    is padded (``mask.all()``), to skip it. ``pad_token_id`` is None, so no padding check on the token values
+    runs either. For BERT (``bert=True``) position and token type ids are passed explicitly, so its real
+    ``position_ids`` and ``token_type_ids`` buffers are never read (a fake-mode trace of a real-tensor workload
+    rejects real tensors it did not get as inputs).
     """
 
-    def __init__(self, model: nn.Module, bert: bool = False) -> None:
+    def __init__(self, model: nn.Module, bert: bool = False, ones_mask: bool = True) -> None:
         super().__init__()
         self.model = model
         self.bert = bert
+        self.ones_mask = ones_mask
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         kwargs: dict[str, torch.Tensor] = {}
-        if not self.bert:
-            kwargs["attention_mask"] = torch.ones_like(input_ids)
+        if attention_mask is not None:  # (batch, 1, query, key): True where a query may attend
+            n = input_ids.shape[1]
+            kwargs["attention_mask"] = attention_mask.bool()[:, None, None, :].expand(-1, 1, n, n)
+        elif not self.bert:
+            if self.ones_mask:
+                kwargs["attention_mask"] = torch.ones_like(input_ids)
         else:
             pos = torch.arange(input_ids.shape[1], device=input_ids.device)
             kwargs["position_ids"] = pos.unsqueeze(0).expand_as(input_ids)
@@ -55,8 +67,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise FasttError("the bert-base, bert-large and gpt2 zoo models need transformers: "
-                         "pip install 'fastt[zoo]'") from e
+        raise FasttError("the bert-base, bert-large, gpt2, llama and distilbert-padded zoo models need "
+                         "transformers: pip install 'fastt[zoo]'") from e
     return transformers
 
 
@@ -111,3 +123,46 @@ def gpt2(size: str, batch: int, dropout: bool) -> Built:
     model = LogitsOnly(tf.GPT2LMHeadModel(config))
     tokens = torch.randint(0, vocab, (batch, length + 1))
     return model, cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def llama(size: str, batch: int, dropout: bool) -> Built:
+    """A Llama-style decoder as users build it: ``LlamaForCausalLM`` from a config, with RMSNorm, rotary position
+    embeddings, grouped-query attention, a SwiGLU MLP and the default (SDPA) attention; the default config also
+    builds a key/value cache, whose empty tensors are constants of the step. Llamas train without dropout, so
+    ``dropout`` changes nothing. paper: TinyLlama-1.1B (Zhang et al. 2024): 22 layers, hidden 2048, 32 query
+    heads over 4 key/value heads, FFN 5632, vocabulary 32000, untied LM head (1.1B params), length 2048, batch 8.
+    test: 2 layers, hidden 128, 4 heads over 2 key/value heads, FFN 344, vocab 2000, length 64, batch 16.
+    Input tokens[:, :-1], target tokens[:, 1:]."""
+    tf = _transformers()
+    paper, test = (2048, 5632, 22, 32, 4, 2048, 32000), (128, 344, 2, 4, 2, 64, 2000)
+    d, ffn, layers, heads, kv, length, vocab = paper if size == "paper" else test
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=length,
+                            pad_token_id=None)
+    model = LogitsOnly(tf.LlamaForCausalLM(config), ones_mask=False)
+    tokens = torch.randint(0, vocab, (batch, length + 1))
+    return model, cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def distilbert_padded(size: str, batch: int, dropout: bool) -> Built:
+    """DistilBERT masked LM (Sanh et al. 2019) on padded batches, as an encoder trains on sentences of different
+    lengths: ``DistilBertForMaskedLM`` with the default (SDPA) attention; 6 layers, hidden 768, 12 heads, FFN
+    3072, vocabulary 30522, dropout 0.1 (67.0M params with the MLM head). Rows are padded at the end to the
+    batch's length (the first row is full, the others uniformly half to all of it), with token 0 ([PAD]) and
+    attention mask 0 there; 15% of the real positions carry their token as label, the rest and the padding -100
+    (a masked mean: the loss counts the labelled positions). paper: length 128, batch 32. test: 2 layers,
+    hidden 128, 4 heads, FFN 512, vocab 2000, length 64, batch 16. Inputs (input_ids, attention_mask)."""
+    tf = _transformers()
+    p = 0.1 if dropout else 0.0
+    paper, test = (768, 6, 12, 128, 30522), (128, 2, 4, 64, 2000)
+    d, layers, heads, length, vocab = paper if size == "paper" else test
+    config = tf.DistilBertConfig(vocab_size=vocab, dim=d, hidden_dim=4 * d, n_layers=layers, n_heads=heads,
+                                 max_position_embeddings=512, dropout=p, attention_dropout=p, pad_token_id=None)
+    model = LogitsOnly(tf.DistilBertForMaskedLM(config))
+    lengths = torch.randint(length // 2, length + 1, (batch,))
+    lengths[0] = length
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    ids = torch.randint(1, vocab, (batch, length)) * mask
+    labelled = (torch.rand(batch, length) < MASK_FRACTION) & mask.bool()
+    labels = torch.where(labelled, ids, torch.full_like(ids, -100))
+    return model, cross_entropy, (ids, mask, labels)
