@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import guards
 from ..api import capture, measure, plan, simulate
 from ..capture import bind
 from ..cluster import Cluster, cluster, torch_device
@@ -50,6 +51,7 @@ class ParallelStep:
         timings: list | None = [] if tuning else None
         t0 = time.perf_counter()
         step = self.lowered.step
+        guards.check(step.gm, batch, self.lowered.replicas)
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
                                                 self.threads_per_device, timings)

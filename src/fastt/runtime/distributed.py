@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch._guards import detect_fake_mode
 
+from .. import guards
 from ..capture import bind
 from ..cluster import Cluster, Link, cpu_cluster, cuda_cluster
 from ..cost import MeasuredCosts, calibrate_cpu, fit_transfers
@@ -1029,6 +1030,7 @@ class DistributedStep:
         t0 = time.perf_counter()
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
+        guards.check(step.gm, batch, low.replicas)
         params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
         r = low.replicas
         envs = replica_envs(low, programs, params, buffers, states, batch)
