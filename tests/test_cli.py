@@ -241,7 +241,7 @@ def test_run_with_torchrun_launches_one_process_per_device(tmp_path: Path) -> No
                  "--steps", "3", "--check", "--json", cwd=tmp_path))
     out = json.loads(r.stdout)
     assert out["devices"] == "gloo:2" and out["launcher"] == "torchrun"
-    assert [x["planner"] for x in out["results"]] == ["dp", "eager"] and out["max_param_rel_diff"] == 0.0
+    assert [x["planner"] for x in out["results"]] == ["dp", "eager"] and out["max_param_rel_diff"] <= 1e-5
     bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--launcher", "torchrun", cwd=tmp_path)
     assert bad.returncode == 2 and "--launcher torchrun runs cpu:N" in bad.stderr
     twice = fastt("run", "--model", "mlp", "--devices", "cuda:0,0", "--launcher", "torchrun", cwd=tmp_path)

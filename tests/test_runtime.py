@@ -24,7 +24,7 @@ from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
-from fastt.runtime.reference import eager_dp_step, eager_reference_step
+from fastt.runtime.reference import eager_reference_step
 from fastt.split import split
 from fastt.strategy import Split
 
@@ -80,25 +80,27 @@ MATRIX = [(m, p) for m in zoo.NAMES for p in PLANNERS] if FULL else [
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "planner"), MATRIX)
 def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> None:
-    """Models with batch norm under a data-parallel plan follow DDP semantics (per-device batch statistics):
-    they are compared with eager data parallelism.
+    """The reference is the plain one-device eager step; models with batch norm under a data-parallel plan
+    follow DDP semantics (per-device batch statistics) and are compared with eager data parallelism.
 
-    A split op sums its parts in another order than eager's kernel (a relative difference near 1e-6), and in
-    models with batch norm such a difference grows to order 1 within a few steps (resnet50: 7e-6, then 5e-2).
-    So a plan with splits is compared step by step, each step from the same state as eager's, and an element
-    may also differ by 1e-5 of its tensor's largest magnitude (`assert_same(scaled=True)`)."""
+    A split op sums its parts in another order than eager's kernel (a relative difference near 1e-6), as the
+    replicas' mean does against one device's sum, and in models with batch norm such a difference grows to
+    order 1 within a few steps (resnet50: 7e-6, then 5e-2). So a plan with splits or replicas is compared step
+    by step, each step from the same state as eager's, and an element may also differ by 1e-5 of its tensor's
+    largest magnitude (`assert_same(scaled=True)`)."""
     ref, ours = pair(name)
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner)
+    stepwise = bool(step.strategy.splits) or step.strategy.replicas > 1
     for i in range(100 if FULL else 3):
         batch = fresh_batch(ref, i)
-        if step.strategy.splits:
+        if stepwise:
             same_state(ref, ours)
         with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
             eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
         step(*batch)
-        if step.strategy.splits:
+        if stepwise:
             assert_same(ref, ours, scaled=True)
-    assert_same(ref, ours, scaled=bool(step.strategy.splits))
+    assert_same(ref, ours, scaled=stepwise)
 
 
 def same_state(ref: zoo.Workload, ours: zoo.Workload) -> None:
@@ -108,16 +110,22 @@ def same_state(ref: zoo.Workload, ours: zoo.Workload) -> None:
         ref.optimizer.state[p] = {k: v.clone() for k, v in ours.optimizer.state[q].items()}
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet50", "bert-base"])
-def test_data_parallel_matches_eager_data_parallel(name: str) -> None:
-    ref, ours = pair(name, "adam")
+# Adam only where the reference is eager data parallelism (batch norm: the same sums): elsewhere Adam's steps
+# follow the sign of gradient elements that are rounding noise (a ReLU's kink, attention's key bias), which a sum
+# in another order flips (see test_training).
+@pytest.mark.parametrize(("name", "optimizer"), [("mlp", "sgd"), ("resnet50", "adam"), ("bert-base", "sgd")])
+def test_data_parallel_takes_the_eager_step(name: str, optimizer: str) -> None:
+    """bert-base's masked LM loss counts the labels that are not -100, a different number in each half of the
+    batch: the replicas weigh their losses so that they compute the whole batch's (`fastt.loss`)."""
+    ref, ours = pair(name, optimizer)
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", "dp")
     assert step.strategy.replicas == 2
     for i in range(STEPS):
         batch = fresh_batch(ref, i)
-        eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, batch, 2)
+        same_state(ref, ours)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, 2)
         step(*batch)
-    assert_same(ref, ours)
+        assert_same(ref, ours, scaled=True)
 
 
 def test_split_ops_run_exactly() -> None:

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import fastt
 from fastt import zoo
-from fastt.capture import bind
 from fastt.cluster import cluster
 from fastt.cost import op_times
 from fastt.errors import FasttError
@@ -335,8 +334,8 @@ def test_parts_run_the_step_exactly() -> None:
     w = zoo.get("mlp", "test", dropout=False)
     g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
     step = g.fx
-    params, buffers, states = bind(w.model, w.optimizer, step.param_names, step.state_keys, create=True)
-    inputs = _clone((params, buffers, states, *w.example_inputs))
+    params, buffers, states, batch, hypers = step.arguments(w.model, w.optimizer, w.example_inputs)
+    inputs = _clone((params, buffers, states, *batch, hypers, 1.0))
     want = step.gm(*_clone(inputs))
     tried = 0
     for op in g.ops:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .capture import bind, capture_step
+from .capture import capture_step
 from .cluster import Cluster, cluster
 from .coarsen import to_opgraph
 from .cost import MeasuredCosts, op_times
@@ -24,21 +24,23 @@ from .strategy import Strategy
 
 
 def capture(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-            example_inputs: Sequence[torch.Tensor], name: str = "step") -> OpGraph:
+            example_inputs: Sequence[torch.Tensor], name: str = "step",
+            clip_grad_norm: float | None = None) -> OpGraph:
     """One whole training step (forward, backward, optimizer update) as an OpGraph.
 
     Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example input
     is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
+    `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
     """
     example_inputs = tuple(example_inputs)
 
     @functools.lru_cache(maxsize=8)
     def recapture(batch: int) -> OpGraph:
         sliced = tuple(x[:batch] for x in example_inputs)
-        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced), name)
+        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced, clip_grad_norm), name)
         return _with_recapture(g, recapture)
 
-    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs), name)
+    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs, clip_grad_norm), name)
     return _with_recapture(g, recapture)
 
 
@@ -53,10 +55,10 @@ def measure(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optim
     `concurrent` copies run at once (see `cost.measure`): op times as when that many worker devices are busy.
     """
     step = graph.fx
-    params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=False)
     inputs = tuple(x[:graph.batch] for x in example_inputs)
+    params, buffers, states, inputs, hypers = step.arguments(model, optimizer, inputs, create=False)
     kind = "cuda" if params and params[0].is_cuda else "cpu"
-    return _measure(graph, [params, buffers, states, *inputs], kind=kind, threads=threads, runs=runs,
+    return _measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads, runs=runs,
                     progress=progress, concurrent=concurrent)
 
 

@@ -17,15 +17,17 @@ import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from math import inf
 
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch.func import functional_call, functionalize
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import guards
 from .errors import FasttError
+from .loss import Reduction, reduction_of
 
 # Per optimizer class: the state keys it keeps per parameter, in the order the graph takes them.
 _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
@@ -36,11 +38,7 @@ _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
 
 
 def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
-    for cls in type(optimizer).__mro__:
-        if cls in _STATE_KEYS:
-            return _STATE_KEYS[cls](group)
-    supported = ", ".join(c.__name__ for c in _STATE_KEYS)
-    raise FasttError(f"unsupported optimizer {type(optimizer).__name__}: fastt captures {supported}")
+    return _of_class(_STATE_KEYS, optimizer)(group)
 
 
 def _new_state(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.Tensor:
@@ -50,43 +48,135 @@ def _new_state(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> t
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _update(optimizer: torch.optim.Optimizer, group: dict, ps: list, grads: list, states: list[list]) -> None:
-    """One optimizer step, in place on `ps` and `states` (clones inside the trace).
+# Per optimizer class: the hyperparameters its update reads from a param group, as eager's update computes them
+# from the group in Python (1 - beta1, ...). They are inputs of the step, read from the group at every call, so
+# that an LR schedule works. A zero weight decay or momentum skips ops, as in eager: whether it is zero is part of
+# the step's structure.
+def _adam_keys(g: dict, decoupled: bool) -> tuple[str, ...]:
+    wd = () if g["weight_decay"] == 0 else ("1-lr*weight_decay",) if decoupled or g.get(
+        "decoupled_weight_decay", False) else ("weight_decay",)
+    return ("lr", "beta1", "beta2", "1-beta1", "1-beta2", "eps") + wd
 
-    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so
-    the captured step reproduces eager training to rounding. Adam's bias corrections are computed from the
-    step counter as float64 tensors, as eager does with Python floats, so one graph serves every step.
+
+_HYPER_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
+    torch.optim.SGD: lambda g: ("-lr",) + (("momentum",) if g["momentum"] != 0 else ())
+    + (("weight_decay",) if g["weight_decay"] != 0 else ()),
+    torch.optim.Adam: lambda g: _adam_keys(g, False),
+    torch.optim.AdamW: lambda g: _adam_keys(g, True),
+}
+_HYPER_VALUES: dict[str, Callable[[Callable[[str], float]], float]] = {
+    "lr": lambda v: v("lr"), "-lr": lambda v: -v("lr"), "momentum": lambda v: v("momentum"),
+    "weight_decay": lambda v: v("weight_decay"), "eps": lambda v: v("eps"),
+    "beta1": lambda v: v("beta1"), "beta2": lambda v: v("beta2"),
+    "1-beta1": lambda v: 1 - v("beta1"), "1-beta2": lambda v: 1 - v("beta2"),
+    "1-lr*weight_decay": lambda v: 1 - v("lr") * v("weight_decay"),
+}
+
+
+def _of_class(table: dict, optimizer: torch.optim.Optimizer):
+    for cls in type(optimizer).__mro__:
+        if cls in table:
+            return table[cls]
+    supported = ", ".join(c.__name__ for c in _STATE_KEYS)
+    raise FasttError(f"unsupported optimizer {type(optimizer).__name__}: fastt captures {supported}")
+
+
+def _reader(group: dict) -> Callable[[str], float]:
+    def value(key: str) -> float:
+        x = group["betas"][int(key[-1]) - 1] if key in ("beta1", "beta2") else group[key]
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1:
+                raise FasttError(f"optimizer hyperparameter {key} holds {x.numel()} values: fastt takes one")
+            x = x.item()
+        return float(x)
+    return value
+
+
+def hyper_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, ...]]:
+    """Per param group, the hyperparameters its update reads (the step's `hyper` inputs, in order)."""
+    return [_of_class(_HYPER_KEYS, optimizer)(g) for g in optimizer.param_groups]
+
+
+def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...]]) -> list[float]:
+    """The step's hyperparameter inputs, read from the optimizer's param groups now (an LR schedule's value)."""
+    out = []
+    for g, ks in zip(optimizer.param_groups, keys):
+        value = _reader(g)
+        out += [_HYPER_VALUES[k](value) for k in ks]
+    return out
+
+
+def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list, grads: list,
+            states: list[list]) -> None:
+    """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the group's
+    hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten the graph).
+
+    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so the
+    captured step reproduces eager training to rounding; `x.add(y * h)` becomes eager's `x.add(y, alpha=h)` (one
+    fused multiply-add). Adam's bias corrections are computed from the step counter as float64 tensors, as eager
+    does with Python floats, so one graph serves every step.
     """
-    lr, wd, maximize = group["lr"], group["weight_decay"], group["maximize"]
+    wd, maximize = hyper.get("weight_decay"), group["maximize"]
     for p, g, st in zip(ps, grads, states):
         g = -g if maximize else g
         if isinstance(optimizer, torch.optim.SGD):
-            if wd != 0:
-                g = g.add(p, alpha=wd)
-            if group["momentum"] != 0:
-                buf = st[0].mul_(group["momentum"]).add_(g)
-                g = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-            p.add_(g, alpha=-lr)
+            if wd is not None:
+                g = g.add(p * wd)
+            if "momentum" in hyper:
+                buf = st[0].mul_(hyper["momentum"]).add_(g)
+                g = g.add(buf * hyper["momentum"]) if group["nesterov"] else buf
+            p.add_(g * hyper["-lr"])
             continue
         step, exp_avg, exp_avg_sq = st[0], st[1], st[2]
-        beta1, beta2 = group["betas"]
         step.add_(1)
-        if wd != 0:
-            if isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False):
-                p.mul_(1 - lr * wd)
-            else:
-                g = g.add(p, alpha=wd)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if "1-lr*weight_decay" in hyper:
+            p.mul_(hyper["1-lr*weight_decay"])
+        elif wd is not None:
+            g = g.add(p * wd)
+        exp_avg.lerp_(g, hyper["1-beta1"])
+        # addcmul(g, g, value=v) computes self + (v * g) * g: keep that order.
+        exp_avg_sq.mul_(hyper["beta2"]).addcmul_(g * hyper["1-beta2"], g)
         step64 = step.to(torch.float64)
-        step_size = (lr / (1 - beta1 ** step64)).to(p.dtype)
-        bias_correction2_sqrt = (1 - beta2 ** step64).sqrt().to(p.dtype)
+        # lr / t is t.reciprocal() * lr for a tensor t, as eager's Python float over the step counter rounds here.
+        step_size = ((1 - hyper["beta1"] ** step64).reciprocal() * hyper["lr"]).to(p.dtype)
+        bias_correction2_sqrt = (1 - hyper["beta2"] ** step64).sqrt().to(p.dtype)
         if group["amsgrad"]:
             st[3].copy_(torch.maximum(st[3], exp_avg_sq))
             exp_avg_sq = st[3]
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper["eps"])
         # addcdiv computes self + value * t1 / t2, left to right: keep that order.
         p.add_(exp_avg.mul(-step_size).div(denom))
+
+
+_aten = torch.ops.aten
+
+
+def _scalar_inputs(gm: GraphModule, scalars: Sequence[torch.fx.Node]) -> None:
+    """Rewrite the traced graph so that the placeholders `scalars` (hyperparameters and the loss weight, traced
+    as 0-dim tensors) are Python numbers, used as eager uses them: `x * h` and `x + h` take the number (a wrapped
+    scalar), `x.add(y * h)` becomes `x.add(y, alpha=h)` (eager's fused multiply-add, which a tensor cannot
+    reach), `lerp(x, y, h)` and `h ** t` their Scalar overloads. No tensor is made for them at run time."""
+    graph = gm.graph
+    for h in scalars:
+        for cast in [u for u in h.users if u.target is _aten._to_copy.default]:
+            cast.replace_all_uses_with(h)
+            graph.erase_node(cast)
+        for use in list(h.users):
+            t, args = use.target, use.args
+            if t in (_aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor, _aten.div.Tensor) and args[1] is h:
+                fused = next(iter(use.users)) if t is _aten.mul.Tensor and len(use.users) == 1 else None
+                if fused is not None and fused.target is _aten.add.Tensor and fused.args[1] is use \
+                        and not fused.kwargs:
+                    fused.args, fused.kwargs = (fused.args[0], args[0]), {"alpha": h}
+                    graph.erase_node(use)
+            elif t is _aten.lerp.Tensor and args[2] is h:
+                use.target = _aten.lerp.Scalar
+            elif t is _aten.pow.Tensor_Tensor and args[0] is h:
+                use.target = _aten.pow.Scalar
+            else:
+                raise AssertionError(f"a hyperparameter is read by {use.format_node()}: make it a number there")
+        h.meta["val"] = 1.0
+    gm.recompile()
 
 
 def _check_supported(optimizer: torch.optim.Optimizer, group: dict) -> None:
@@ -102,7 +192,11 @@ class Step:
     """A captured training step and how a model and optimizer bind to its inputs and outputs.
 
     `roles[k]` says what the k-th placeholder of `gm` is: ("param", name), ("buffer", name),
-    ("state", "param name:key") or ("input", index); `outputs` likewise names the graph outputs.
+    ("state", "param name:key"), ("input", index), ("hyper", "group:key") (a hyperparameter of a param group,
+    read from the optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for
+    the whole batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise
+    names the graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated.
+    `reduction` says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
     """
 
     gm: GraphModule
@@ -112,15 +206,34 @@ class Step:
     roles: list[tuple[str, str]]
     outputs: list[tuple[str, str]]
     batch: int
-    signature: tuple = field(default=(), repr=False)
+    hyper_keys: list[tuple[str, ...]] = field(default_factory=list)
+    reduction: Reduction | None = None
+    structure: dict = field(default_factory=dict, repr=False)
+
+    def check(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
+              replicas: int = 1) -> None:
+        """Refuse a model, optimizer or batch (of `replicas` times this step's) that this captured step cannot
+        run, naming what changed."""
+        share = [x[:x.shape[0] // replicas] if replicas > 1 and x.dim() else x for x in batch]
+        changed = _changed(self.structure, _structure(model, optimizer, share))
+        if changed:
+            raise FasttError(f"{changed} since the step was captured: the captured step cannot run it; capture "
+                             "again (parallelize again) after such a change")
+
+    def arguments(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
+                  create: bool = True) -> tuple[list, list, list, list, list[float]]:
+        """(params, buffers, states, batch, hyperparameters): the step's inputs, the weight input aside."""
+        params, buffers, states = bind(model, optimizer, self.param_names, self.state_keys, create=create,
+                                       buffer_names=self.buffer_names)
+        return params, buffers, states, list(batch), hyper_values(optimizer, self.hyper_keys)
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor) -> torch.Tensor:
         """Run one training step with real tensors through the captured graph; returns the loss."""
-        if _signature(model, optimizer, batch) != self.signature:
-            raise FasttError("model, optimizer hyperparameters or batch shapes changed since capture: capture again")
-        params, buffers, states = bind(model, optimizer, self.param_names, self.state_keys, create=True)
+        self.check(model, optimizer, batch)
+        guards.check(self.gm, batch)
+        params, buffers, states, batch, hypers = self.arguments(model, optimizer, batch)
         with torch.no_grad():
-            out = self.gm(params, buffers, states, *batch)
+            out = self.gm(params, buffers, states, *batch, hypers, 1.0)
             n = len(params)
             loss, new_params, new_states = out[0], out[1 + n:1 + 2 * n], out[1 + 2 * n:]
             for p, new in zip(params, new_params):
@@ -128,6 +241,12 @@ class Step:
             for s, new in zip([t for ss in states for t in ss], new_states):
                 s.copy_(new)
         return loss
+
+
+def stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that the optimizer stepped, as its own `step` does: an LR scheduler warns when it is stepped
+    before the optimizer ever was (the flag its wrapper of `optimizer.step` sets)."""
+    optimizer._opt_called = True
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -149,11 +268,18 @@ def _groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) ->
     return out
 
 
-def bind(model, optimizer, names, state_keys, create: bool):
-    """The model's params and buffers and the optimizer's state tensors, in graph order."""
+def _buffer_names(model: nn.Module) -> list[str]:
+    """The model's tensors the step reads and never trains: its buffers, then its frozen parameters."""
+    return [n for n, _ in model.named_buffers()] + [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def bind(model, optimizer, names, state_keys, create: bool, buffer_names: Sequence[str] | None = None):
+    """The model's params and buffers (frozen parameters included) and the optimizer's state tensors, in graph
+    order."""
     named = dict(model.named_parameters())
     params = [named[n] for n in names]
-    buffers = [b for _, b in model.named_buffers()]
+    fixed = {**dict(model.named_buffers()), **named}
+    buffers = [fixed[n] for n in (_buffer_names(model) if buffer_names is None else buffer_names)]
     states = []
     for p, keys in zip(params, state_keys):
         st = optimizer.state[p]
@@ -165,24 +291,85 @@ def bind(model, optimizer, names, state_keys, create: bool):
     return params, buffers, states
 
 
-def _signature(model, optimizer, batch) -> tuple:
-    hyper = tuple(tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params")) for g in optimizer.param_groups)
-    shapes = tuple((tuple(t.shape), t.dtype) for t in batch)
-    return hyper, shapes, tuple(n for n, _ in _trainable(model))
+# Param group options that change the update's ops (the hyperparameters' values do not: they are inputs).
+_FLAGS = ("nesterov", "dampening", "amsgrad", "maximize", "decoupled_weight_decay", "foreach", "fused",
+          "capturable", "differentiable")
 
 
-def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups):
-    def step(params, buffers, states, *batch):
+def _structure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor]) -> dict:
+    """What the captured step is specialised to, each item named as a user would say it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, object] = {
+        "the optimizer's class": type(optimizer).__name__,
+        "the trainable parameters": tuple(n for n, _ in _trainable(model)),
+        "the number of param groups": len(optimizer.param_groups),
+        "the batch's shapes and dtypes": tuple((tuple(t.shape), t.dtype) for t in batch),
+    }
+    for i, g in enumerate(optimizer.param_groups):
+        out[f"param group {i}'s parameters"] = tuple(names.get(id(p), "?") for p in g["params"])
+        out[f"param group {i}'s nonzero hyperparameters"] = _of_class(_HYPER_KEYS, optimizer)(g)
+        out.update({f"param group {i}'s {f}": g[f] for f in _FLAGS if f in g})
+    return out
+
+
+def _changed(old: dict, new: dict) -> str:
+    """The first item of `_structure` that differs, as '<what> changed (<old> -> <new>)'; '' if none."""
+    for k in dict.fromkeys([*old, *new]):
+        if old.get(k) != new.get(k):
+            a, b = (str(x.get(k, "absent")) for x in (old, new))
+            return f"{k} changed ({a[:80]} -> {b[:80]})"
+    return ""
+
+
+class _WithLoss(nn.Module):
+    """The model and its loss as one module, so that functional_call swaps the parameters for both (a loss_fn
+    may read them: a weight penalty)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, [loss_fn]  # a list: a loss module's own tensors stay out of the swap
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn[0](self.model(*batch[:-1]), batch[-1])
+
+
+def check_clip(clip_grad_norm: float | None) -> None:
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and 0 < clip_grad_norm < inf):
+        raise FasttError(f"clip_grad_norm must be a positive number (the largest global gradient norm), got "
+                         f"{clip_grad_norm!r}")
+
+
+def _clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
+    """The gradients scaled to global norm at most `max_norm`, computed as `clip_grad_norm_` does (the norm of
+    the per-gradient norms, max_norm / (norm + 1e-6) clamped to 1). Under data parallelism the updates read the
+    averaged gradients, so this is the norm of the whole batch's gradient, as with DDP."""
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads]
+
+
+def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys, clip_grad_norm):
+    def step(params, buffers, states, *rest):
+        *batch, hypers, weight = rest
+
         def loss_of(ps, bufs):
-            out = functional_call(model, {**dict(zip(names, ps)), **dict(zip(buffer_names, bufs))},
-                                  tuple(batch[:-1]))
-            return loss_fn(out, batch[-1])
+            tensors = {f"model.{n}": t for n, t in [*zip(names, ps), *zip(buffer_names, bufs)]}
+            loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise FasttError("loss_fn must return a scalar tensor (reduce the loss with a mean or a sum), got "
+                                 + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                                    else type(loss).__name__))
+            return loss * weight.to(loss.dtype), loss
 
-        grads, loss = torch.func.grad_and_value(loss_of)(list(params), list(buffers))
+        grads, (_, loss) = torch.func.grad_and_value(loss_of, has_aux=True)(list(params), list(buffers))
+        applied = _clipped(grads, clip_grad_norm) if clip_grad_norm is not None and grads else grads
         new_params = [p.clone() for p in params]
         new_states = [[s.clone() for s in ss] for ss in states]
-        for group, idx in groups:
-            _update(optimizer, group, [new_params[i] for i in idx], [grads[i] for i in idx],
+        given = iter(hypers)
+        for (group, idx), keys in zip(groups, hyper_keys):
+            hyper = {k: next(given) for k in keys}
+            _update(optimizer, group, hyper, [new_params[i] for i in idx], [applied[i] for i in idx],
                     [new_states[i] for i in idx])
         return [loss, *grads, *new_params, *[s for ss in new_states for s in ss]]
 
@@ -203,11 +390,13 @@ def _portable_kernels():
 
 
 def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                 example_inputs: Sequence[torch.Tensor]) -> Step:
+                 example_inputs: Sequence[torch.Tensor], clip_grad_norm: float | None = None) -> Step:
     """Trace one training step of `model` into a Step (aten ops, fake tensors: no real memory needed).
 
-    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`.
+    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`. With `clip_grad_norm`, the
+    gradients are clipped to that global norm before the update, as `torch.nn.utils.clip_grad_norm_` does.
     """
+    check_clip(clip_grad_norm)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FasttError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     example_inputs = tuple(example_inputs)
@@ -221,32 +410,39 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         _check_supported(optimizer, g)
         for i in idx:
             state_keys[i] = _state_keys(optimizer, g)
-    buffer_names = [n for n, _ in model.named_buffers()]
+    buffer_names = _buffer_names(model)
+    keys = hyper_keys(optimizer)
     fake_mode = detect_fake_mode((*[p for _, p in trainable], *example_inputs))
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx:
         params, buffers, states = bind(model, optimizer, names, state_keys, create=False)
-    fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups)
+        hypers = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer, keys)]
+        weight = torch.ones((), dtype=torch.float64)
+    fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm)
     was_training = model.training
     model.train()
     try:
         with _portable_kernels():
-            gm = make_fx(functionalize(fn), tracing_mode="fake")(params, buffers, states, *example_inputs)
+            gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
+                              example_inputs)
     except FasttError:
         raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a model "
-                         "without data-dependent Python control flow") from e
+                         "that fake tensors trace (its Python may branch on the batch's values only)") from e
     finally:
         model.train(was_training)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    _scalar_inputs(gm, placeholders[len(placeholders) - sum(map(len, keys)) - 1:])
     roles = ([("param", n) for n in names] + [("buffer", n) for n in buffer_names]
              + [("state", f"{n}:{k}") for n, keys in zip(names, state_keys) for k in keys]
-             + [("input", str(i)) for i in range(len(example_inputs))])
+             + [("input", str(i)) for i in range(len(example_inputs))]
+             + [("hyper", f"{g}:{k}") for g, ks in enumerate(keys) for k in ks] + [("weight", "")])
     outputs = ([("loss", "")] + [("grad", n) for n in names] + [("param", n) for n in names]
                + [("state", f"{n}:{k}") for n, keys in zip(names, state_keys) for k in keys])
     batch = int(example_inputs[0].shape[0]) if example_inputs[0].dim() else 1
     return Step(gm=gm, param_names=names, buffer_names=buffer_names, state_keys=state_keys, roles=roles,
-                outputs=outputs, batch=batch, signature=_signature(model, optimizer, example_inputs))
+                outputs=outputs, batch=batch, hyper_keys=keys, reduction=reduction_of(gm, roles),
+                structure=_structure(model, optimizer, example_inputs))

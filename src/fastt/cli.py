@@ -367,7 +367,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default="cpu:2", help="cpu:N, or local GPUs: cuda, cuda:0,1 (cuda:0,0: two streams of one GPU)")
     p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--check", action="store_true", help="also train in eager mode and compare the parameters")
+    p.add_argument("--check", action="store_true",
+                   help="also take every step in plain one-device eager PyTorch from the same state and compare "
+                        "the parameters")
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--launcher", default="local", choices=("local", "torchrun"),

@@ -46,7 +46,12 @@ EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
 }
 
-_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT}
+# Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are: held
+# where they are read.
+# The optimizer ops that several parameters' updates read (a gradient clip's global norm): one UPDATE op that
+# writes nothing; under data parallelism it reads the averaged gradients, as the updates do.
+SHARED = "update:*"
+_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER, "weight": BUFFER}
 
 
 def nbytes(val: object) -> int:
@@ -117,8 +122,11 @@ def _assign_groups(step: Step) -> tuple[dict[Node, str], dict[str, str], dict[st
         updates.setdefault(owner, set()).add(f"{role}:{name}")
     for n in reversed(nodes):
         if n.op == "call_function" and n not in fwd_bwd and n not in group:
-            owners = sorted(group[u] for u in n.users if u in group and kind.get(group[u]) == UPDATE)
-            if owners:
+            owners = sorted({group[u] for u in n.users if u in group and kind.get(group[u]) == UPDATE})
+            if len(owners) > 1:  # read by several updates: the global norm of a gradient clip
+                group[n] = SHARED
+                kind[SHARED] = UPDATE
+            elif owners:
                 group[n] = owners[0]
     for n in nodes:
         if n.op != "call_function" or n in group:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from .errors import FasttError
+from .loss import ONE, ReplicaWeights, replica_weights
 
 # Op kinds. RESIDENT kinds live on their holder devices across iterations; the rest are produced in the step.
 INPUT, PARAM, STATE, BUFFER, COMPUTE, UPDATE, ALLREDUCE = (
@@ -132,7 +133,18 @@ def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
     if graph.batch % n:
         raise FasttError(f"batch {graph.batch} of '{graph.name}' does not split into {n} equal replicas: "
                          f"use a batch divisible by {n}")
-    return replicate(rebatch(graph, graph.batch // n), n)
+    sub = rebatch(graph, graph.batch // n)
+    loss_weights(graph, sub, n)  # refuses a loss that replicas cannot compute
+    return replicate(sub, n)
+
+
+def loss_weights(graph: OpGraph, sub: OpGraph, n: int) -> ReplicaWeights:
+    """How n replicas of `sub` (the step at batch/n) weigh their losses to compute `graph`'s (`fastt.loss`);
+    FasttError if they cannot. Graphs built by hand have no loss to weigh."""
+    whole, share = (getattr(x.fx, "reduction", None) for x in (graph, sub))
+    if n == 1 or graph.fx is None:
+        return ONE
+    return replica_weights(whole, share, n)
 
 
 def replica_of(name: str) -> int:
@@ -165,9 +177,10 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
                 where[i, k] = idx
             continue
         if op.kind == UPDATE:
-            # One allreduce per (gradient producer, update): a producer may feed several gradients.
+            # One allreduce per (gradient producer, update): a producer may feed several gradients. What an update
+            # reads from another (a gradient clip's coefficient) is the same in every replica already.
             for j, nbytes in zip(op.inputs, op.in_bytes):
-                if sub.ops[j].kind not in RESIDENT:
+                if sub.ops[j].kind not in RESIDENT and sub.ops[j].kind != UPDATE:
                     g = sub.ops[j]
                     reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE, target="allreduce",
                                          inputs=tuple(where[j, k] for k in range(n)),

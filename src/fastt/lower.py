@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from .capture import Step
 from .errors import FasttError
-from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph, replica_of
+from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph, loss_weights, replica_of
+from .loss import ONE, ReplicaWeights
 from .plan import graph_for
 from .strategy import Strategy
 
@@ -45,6 +46,7 @@ class Lowered:
     programs: tuple[tuple[Task, ...], ...]
     allreduces: dict[int, tuple[str, ...]]
     prelude: tuple[str, ...] = ()  # constants, alias nodes of residents and inputs (views of a parameter): run first
+    weights: ReplicaWeights = ONE  # each replica's loss weight (`fastt.loss`)
 
 
 def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
@@ -60,8 +62,10 @@ def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
 
 
 def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:
-    """The gradient nodes allreduce `a` carries: what its readers read from its inputs' producers."""
-    produced = set(g.ops[g.ops[a].inputs[0]].nodes)
+    """The gradient nodes allreduce `a` carries: what its readers read from its inputs' producers (a split
+    gradient's join makes its head node's value, which the join op does not list among its nodes)."""
+    made = g.ops[g.ops[a].inputs[0]]
+    produced = set(made.nodes) | ({g.ops[made.inputs[0]].head} if made.target.startswith("join:") else set())
     read = []
     for s in g.succs[a]:
         for n in g.ops[s].nodes:
@@ -85,5 +89,6 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     prelude = tuple(dict.fromkeys([*constants, *(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
                                                  for n in op.nodes if n in call_nodes)]))
     order = {name: k for k, name in enumerate(nodes)}
+    weights = loss_weights(graph, g, strategy.replicas) if strategy.replicas > 1 else ONE
     return Lowered(graph=g, step=step, replicas=strategy.replicas, programs=programs, allreduces=allreduces,
-                   prelude=tuple(sorted(prelude, key=order.__getitem__)))
+                   prelude=tuple(sorted(prelude, key=order.__getitem__)), weights=weights)

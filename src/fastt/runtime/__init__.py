@@ -9,7 +9,7 @@ import torch
 
 from .. import guards
 from ..api import capture, measure, plan, simulate
-from ..capture import bind
+from ..capture import stepped
 from ..cluster import Cluster, cluster, torch_device
 from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
@@ -51,10 +51,11 @@ class ParallelStep:
         timings: list | None = [] if tuning else None
         t0 = time.perf_counter()
         step = self.lowered.step
+        step.check(self.model, self.optimizer, batch, self.lowered.replicas)
         guards.check(step.gm, batch, self.lowered.replicas)
-        params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
+        params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
-                                                self.threads_per_device, timings)
+                                                hypers, self.threads_per_device, timings)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
         # the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
@@ -63,6 +64,7 @@ class ParallelStep:
         for p, keys in zip(params, step.state_keys):
             for k in keys:
                 self.optimizer.state[p][k] = next(fresh)
+        stepped(self.optimizer)
         if tuning:
             self.tuner.observe(self, time.perf_counter() - t0, timings)
         return loss
@@ -87,7 +89,8 @@ def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
 
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
-                strategy: Strategy | None = None, tune: bool | Tuner = False) -> ParallelStep:
+                strategy: Strategy | None = None, tune: bool | Tuner = False,
+                clip_grad_norm: float | None = None) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
     the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
     runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
@@ -95,7 +98,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
 
     Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
     planner plans with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and
-    runs FastT's tuning loop during the first steps.
+    runs FastT's tuning loop during the first steps. `clip_grad_norm` clips the gradients to that global norm
+    before every update, as `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
     """
     cl = cluster(devices)
     _check_home(model, example_inputs, cl)
@@ -103,7 +107,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     n = len(cl.devices)
     cuda = cl.devices[0].kind == "cuda"
     threads = torch.get_num_threads() if cuda else max(1, torch.get_num_threads() // n)
-    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
+    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
+                    clip_grad_norm=clip_grad_norm)
     tuner = Tuner() if tune is True else tune or None
     if strategy is None and tuner is not None and graph.batch % n == 0:
         strategy = plan(graph, cl, "dp")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -11,7 +10,7 @@ import torch
 
 from ..cluster import cluster, torch_device
 from . import parallelize
-from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff
+from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
 from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
@@ -40,9 +39,9 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
-    its plan in the first steps: the median over the steps after tuning). With `check`, the same steps are also
-    trained in eager mode (steps of data-parallel plans against eager data parallelism, DDP semantics) with the
-    worker devices' thread count, and the largest relative difference of any parameter is reported. On GPUs
+    its plan in the first steps: the median over the steps after tuning). With `check`, every step is also taken
+    by the plain one-device eager step from the same state (`take_state`), with the worker devices' thread count,
+    and the largest relative difference of any parameter after a step is reported. On GPUs
     the model lives on the first device, and `eager` is plain PyTorch there.
     """
     home = torch_device(cluster(devices).devices[0])
@@ -50,7 +49,6 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     for planner in planners:
         name, model, loss_fn, opt, inputs = _placed(make, home)
         batches = [tuple(x.to(home) for x in batch_like(inputs, i)) for i in range(steps)]
-        initial = copy.deepcopy(model.state_dict())
         if planner == "eager":
             times = [timed(eager_step, model, loss_fn, opt, b) for b in batches]
             results.append({"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
@@ -58,11 +56,16 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
             continue
         tuner = Tuner() if tune and planner == "fastt" else None
         step = parallelize(model, loss_fn, opt, inputs, devices, planner, tune=tuner or False)
-        times, replicas, tuned = [], [], 0
+        ref = _placed(make, home) if check else None
+        times, tuned = [], 0
         for b in batches:
-            replicas.append(step.strategy.replicas)
+            replicas = step.strategy.replicas
+            if ref is not None:
+                take_state(model, opt, ref[1], ref[3])
             times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
+            if ref is not None:
+                worst = max(worst, eager_diff(ref, b, replicas, step.threads_per_device, model))
         after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
         results.append({"planner": planner, "measured_iteration_s": measured,
@@ -70,23 +73,20 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
                         "splits": len(step.strategy.splits),
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
-        if check:
-            worst = max(worst, check_against_eager(make, home, initial, batches, replicas, step.threads_per_device, model))
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None}
 
 
-def check_against_eager(make: Callable[[], Workload], home: str, initial: dict, batches: list,
-                        replicas: list[int], threads: int, trained: torch.nn.Module) -> float:
-    """Train a fresh copy from `initial` on `batches` in eager mode (eager data parallelism where a step had
-    several replicas) with `threads` threads; the largest relative difference from `trained`."""
-    _, model, loss_fn, opt, _ = _placed(make, home)
-    model.load_state_dict(initial)
+def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,
+               trained: torch.nn.Module) -> float:
+    """The plain one-device eager step of `ref` (which took the state `trained` started this step from) on
+    `batch`, with `threads` threads (the worker devices' kernels); the largest relative difference from `trained`
+    after its step. Batch statistics are per replica under data parallelism (`eager_reference_step`)."""
+    _, model, loss_fn, opt, _ = ref
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for b, r in zip(batches, replicas):
-            eager_reference_step(model, loss_fn, opt, b, r)
+        eager_reference_step(model, loss_fn, opt, batch, replicas)
     finally:
         torch.set_num_threads(old)
     return max_param_rel_diff(model, trained)

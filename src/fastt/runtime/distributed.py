@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch._guards import detect_fake_mode
 
 from .. import guards
-from ..capture import bind
+from ..capture import bind, stepped
 from ..cluster import Cluster, Link, cpu_cluster, cuda_cluster
 from ..cost import MeasuredCosts, calibrate_cpu, fit_transfers
 from ..errors import FasttError
@@ -58,7 +58,7 @@ from ..graph import OpGraph
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean
+from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean, weighted_loss
 from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -1030,10 +1030,10 @@ class DistributedStep:
         t0 = time.perf_counter()
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
+        step.check(self.model, self.optimizer, batch, low.replicas)
         guards.check(step.gm, batch, low.replicas)
-        params, buffers, states = bind(self.model, self.optimizer, step.param_names, step.state_keys, create=True)
-        r = low.replicas
-        envs = replica_envs(low, programs, params, buffers, states, batch)
+        params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
+        envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
         tuning = self.tuner is not None and self.tuner.active
         run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
                        [] if tuning else None)
@@ -1058,7 +1058,8 @@ class DistributedStep:
                 target.data = new
             elif new is not target:
                 target.copy_(new)
-        loss = sum(env[programs.outputs[0]] for env in envs) / r if self.rank == 0 else None
+        loss = weighted_loss(envs, programs) if self.rank == 0 else None
+        stepped(self.optimizer)
         if tuning:
             self._tune(time.perf_counter() - t0, run.timings)
         return loss
@@ -1368,7 +1369,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                             example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
                             strategy: Strategy | None = None, cl: Cluster | None = None,
                             timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3,
-                            tune: bool | Tuner = False) -> DistributedStep:
+                            tune: bool | Tuner = False, clip_grad_norm: float | None = None) -> DistributedStep:
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
     current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
     inputs. Every rank captures the step and measures its op times (at once, so they
@@ -1389,7 +1390,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, not on "
                          f"this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
-    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__)
+    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
+                    clip_grad_norm=clip_grad_norm)
     threads = torch.get_num_threads()
     tuner = Tuner() if tune is True else tune or None
     if strategy is None and tuner is not None and graph.batch % world == 0:

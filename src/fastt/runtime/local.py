@@ -411,30 +411,41 @@ def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor]) -> list[dict]:
+                 states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
+                 hypers: Sequence[float]) -> list[dict]:
     """Each replica's table of values, holding the step's inputs: the parameters, its own batch-norm buffers
-    (replica 0's are the model's, the others' copies of them) and optimizer state, and its share of the batch."""
+    (replica 0's are the model's, the others' copies of those the step writes), optimizer state, its share of the
+    batch, the hyperparameters and its loss weight (`fastt.loss`)."""
     r = low.replicas
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
     b = batch[0].shape[0] // r
+    shares = [[x[k * b:(k + 1) * b] for x in batch] for k in range(r)]
+    weights = low.weights.of(shares)
+    written = {name for name, _, _ in programs.writeback}
     envs = []
     for k in range(r):
-        own = list(buffers) if k == 0 else [x.clone() for x in buffers]
-        flat = [*params, *own, *(s for ss in states for s in ss), *(x[k * b:(k + 1) * b] for x in batch)]
-        envs.append(dict(zip(programs.placeholders, flat)))
+        own = list(buffers) if k == 0 else [x.clone() if name in written else x
+                                             for name, x in zip(programs.placeholders[len(params):], buffers)]
+        flat = [*params, *own, *(s for ss in states for s in ss), *shares[k], *hypers, weights[k]]
+        envs.append(dict(zip(programs.placeholders, flat, strict=True)))
     return envs
+
+
+def weighted_loss(envs: Sequence[dict], programs: Programs, device: torch.device | None = None) -> torch.Tensor:
+    """The whole batch's loss: the mean of the replicas' losses, each times its weight (`fastt.loss`)."""
+    loss, weight = programs.outputs[0], programs.placeholders[-1]
+    return sum(env[loss].to(device) * env[weight] for env in envs) / len(envs)
 
 
 def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
-             threads_per_device: int = 1,
+             hypers: Sequence[float], threads_per_device: int = 1,
              timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
     state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of every
     segment run (on CUDA the segment's GPU time)."""
-    r = low.replicas
-    envs = replica_envs(low, programs, params, buffers, states, batch)
+    envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
     run = _Run(low, programs, envs, threads_per_device, timings)
     with torch.no_grad():
         for env in envs:
@@ -470,7 +481,7 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
                 whole, written = (torch.tensor_split(x, parts, dim)[k] for x in (whole, written))
             whole.copy_(written)
     out, n = programs.outputs, len(low.step.param_names)
-    loss = sum(env[out[0]].to(home) for env in envs) / r
+    loss = weighted_loss(envs, programs, home)
     new_params = [envs[0][x].to(home) for x in out[1 + n:1 + 2 * n]]
     new_states = [envs[0][x].to(home) for x in out[1 + 2 * n:]]
     return loss, new_params, new_states

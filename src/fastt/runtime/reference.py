@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -16,20 +17,23 @@ def batch_like(inputs: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor,
 
 
 def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-               batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One ordinary training step: zero_grad, forward, backward, optimizer.step."""
+               batch: Sequence[torch.Tensor], clip_grad_norm: float | None = None) -> torch.Tensor:
+    """One ordinary training step: zero_grad, forward, backward, (clip_grad_norm_,) optimizer.step."""
     optimizer.zero_grad()
     loss = loss_fn(model(*batch[:-1]), batch[-1])
     loss.backward()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     optimizer.step()
     return loss.detach()
 
 
 def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                  batch: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
+                  batch: Sequence[torch.Tensor], replicas: int, clip_grad_norm: float | None = None) -> torch.Tensor:
     """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its own
     copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica 0's
-    buffers kept; returns the mean of the replicas' losses."""
+    buffers kept; returns the mean of the replicas' losses. The reference only for batch statistics: it averages
+    as a mean over equal shares does (a sum or a masked mean would differ from the whole batch's)."""
     b = batch[0].shape[0] // replicas
     buffers = dict(model.named_buffers())
     start = {n: v.clone() for n, v in buffers.items()}
@@ -56,16 +60,35 @@ def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
     with torch.no_grad():
         for n, v in kept.items():
             buffers[n].copy_(v)
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     optimizer.step()
     return sum(losses) / replicas
 
 
+def batch_statistics(model: torch.nn.Module) -> bool:
+    """Whether the model normalises by batch statistics in training (batch norm): the one thing data parallelism
+    computes differently from one device (per replica, as DDP does)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def eager_reference_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                         batch: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
-    """What a plan with `replicas` replicas computes, in eager mode: `eager_dp_step`, or `eager_step` for one."""
-    if replicas > 1:
-        return eager_dp_step(model, loss_fn, optimizer, batch, replicas)
-    return eager_step(model, loss_fn, optimizer, batch)
+                         batch: Sequence[torch.Tensor], replicas: int,
+                         clip_grad_norm: float | None = None) -> torch.Tensor:
+    """What a plan with `replicas` replicas must compute: the plain one-device eager step (whatever the loss's
+    reduction), except for a model with batch statistics, whose replicas normalise their own shares
+    (`eager_dp_step`)."""
+    if replicas > 1 and batch_statistics(model):
+        return eager_dp_step(model, loss_fn, optimizer, batch, replicas, clip_grad_norm)
+    return eager_step(model, loss_fn, optimizer, batch, clip_grad_norm)
+
+
+def take_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ref_model: torch.nn.Module,
+               ref_optimizer: torch.optim.Optimizer) -> None:
+    """The reference starts the next step from a copy of the model's and optimizer's state (hyperparameters
+    included): a check per step, since training amplifies rounding (a sum in another order) over the steps."""
+    ref_model.load_state_dict(model.state_dict())
+    ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
 
 
 def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
