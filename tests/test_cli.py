@@ -32,7 +32,7 @@ class Dynamic(nn.Module):
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x):
-        if x.sum() > 0:  # data-dependent control flow: cannot be captured as one graph
+        if self.fc(x).sum() > 0:  # a branch on the model's values: no one graph serves every step
             return self.fc(x)
         return -self.fc(x)
 
@@ -150,7 +150,7 @@ BAD_INPUTS = {
     "strategy unknown op": (["simulate", *MLP, "--strategy", "unknown_op.json"], "unknown op 'no_such_op'"),
     # compare without --json: the failure comes while its progress bar is up
     "data-dependent model": (["compare", "--model", "dynamic.py:make", "--cluster", "2xV100", "--planners",
-                              "single,dp"], "data-dependent"),
+                              "single,dp"], "computed from the model, not from the batch alone"),
     "unknown planner": (["compare", *MLP, "--planners", "single,zzz"], "unknown planner 'zzz'"),
     "unknown subcommand": (["frobnicate", "--model", "mlp"], "invalid choice: 'frobnicate'"),
 }

@@ -281,3 +281,15 @@ def test_a_bad_clip_norm_is_refused(bad: object) -> None:
     model, loss_fn, opt, inputs = mlp()
     with pytest.raises(FasttError, match="clip_grad_norm must be a positive number"):
         parallelize(model, loss_fn, opt, inputs, "cpu:2", "single", clip_grad_norm=bad)
+
+
+def test_fastt_plans_without_replicas_for_a_loss_they_cannot_split() -> None:
+    torch.manual_seed(0)
+    model = Tagger()
+    mixed = lambda out, y: out.mean() + out.square().sum()
+    step = parallelize(model, mixed, torch.optim.SGD(model.parameters(), lr=0.1), tagger_batches(0), "cpu:2")
+    assert step.strategy.replicas == 1
+    ref = Tagger()
+    ref.load_state_dict(model.state_dict())
+    b = tagger_batches(1)
+    torch.testing.assert_close(step(*b), eager_step(ref, mixed, torch.optim.SGD(ref.parameters(), lr=0.1), b))

@@ -138,6 +138,15 @@ def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
     return replicate(sub, n)
 
 
+def replicable(graph: OpGraph, n: int) -> bool:
+    """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be weighed)."""
+    try:
+        data_parallel_graph(graph, n)
+    except FasttError:
+        return False
+    return True
+
+
 def loss_weights(graph: OpGraph, sub: OpGraph, n: int) -> ReplicaWeights:
     """How n replicas of `sub` (the step at batch/n) weigh their losses to compute `graph`'s (`fastt.loss`);
     FasttError if they cannot. Graphs built by hand have no loss to weigh."""

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
-from ..graph import OpGraph, data_parallel_graph
+from ..graph import OpGraph, data_parallel_graph, replicable
 from ..simulate import simulate
 from ..split import max_parts, split, splittable
 from ..strategy import Split, Strategy
@@ -46,7 +46,7 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
     plans += [(graph, single_device(graph, cluster))]
     plans += [(graph, planner(graph, cluster, costs)) for planner in (heft, m_etf, m_sct, m_topo)]
     judged = [(_judge(g, s, cluster, measured), g, s) for g, s in plans]
-    if n > 1 and graph.batch % n == 0 and graph.recapture is not None:
+    if n > 1 and graph.batch % n == 0 and graph.recapture is not None and replicable(graph, n):
         dp_graph = data_parallel_graph(graph, n)
         dp = data_parallel(graph, cluster)
         judged.append((_judge(dp_graph, dp, cluster, measured), dp_graph, dp))

@@ -13,7 +13,7 @@ from ..capture import stepped
 from ..cluster import Cluster, cluster, torch_device
 from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
-from ..graph import OpGraph, rebatch
+from ..graph import OpGraph, rebatch, replicable
 from ..lower import Lowered
 from ..strategy import Strategy
 from .local import Placed, StepError, place, run_step
@@ -110,7 +110,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
                     clip_grad_norm=clip_grad_norm)
     tuner = Tuner() if tune is True else tune or None
-    if strategy is None and tuner is not None and graph.batch % n == 0:
+    if strategy is None and tuner is not None and replicable(graph, n):
         strategy = plan(graph, cl, "dp")
         if not simulate(graph, strategy, cl).fits:
             strategy = None
@@ -119,7 +119,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     if strategy is not None and tuner is None:
         batches = [graph.batch // strategy.replicas]
     else:  # what the fastt planner compares: the whole step and the data-parallel replicas' step
-        batches = [graph.batch] + ([graph.batch // n] if graph.batch % n == 0 else [])
+        batches = [graph.batch] + ([graph.batch // n] if replicable(graph, n) else [])
     # Worker devices share the cores' caches and memory bandwidth: measure with as many busy. GPUs share nothing.
     busy = 1 if cuda else busy_devices(strategy) if strategy is not None else n
     costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, busy)

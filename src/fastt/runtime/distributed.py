@@ -54,7 +54,7 @@ from ..capture import bind, stepped
 from ..cluster import Cluster, Link, cpu_cluster, cuda_cluster
 from ..cost import MeasuredCosts, calibrate_cpu, fit_transfers
 from ..errors import FasttError
-from ..graph import OpGraph
+from ..graph import OpGraph, replicable
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
@@ -1394,14 +1394,14 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                     clip_grad_norm=clip_grad_norm)
     threads = torch.get_num_threads()
     tuner = Tuner() if tune is True else tune or None
-    if strategy is None and tuner is not None and graph.batch % world == 0:
+    if strategy is None and tuner is not None and replicable(graph, world):
         dp = plan(graph, cl, "dp")
         strategy = dp if simulate(graph, dp, cl).fits else None
     planned = strategy is None and planner == "fastt"
     if strategy is None and planner != "fastt":
         strategy = plan(graph, cl, planner)
     batches = ([graph.batch // strategy.replicas] if strategy is not None and tuner is None else
-               [graph.batch] + ([graph.batch // world] if graph.batch % world == 0 else []))
+               [graph.batch] + ([graph.batch // world] if replicable(graph, world) else []))
     costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
     if strategy is None:
         strategy = alone_on_rank0(lambda: plan(graph, cl, "fastt", measured=costs))
@@ -1409,7 +1409,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
     step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
-    if planned and tuner is None and trial_steps and world > 1 and graph.batch % world == 0:
+    if planned and tuner is None and trial_steps and world > 1 and replicable(graph, world):
         dp = plan(graph, cl, "dp")
         same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
         if not same and simulate(graph, dp, cl, costs).fits:
