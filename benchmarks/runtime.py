@@ -4,7 +4,9 @@ Three tables, written to out/runtime.json and docs/runtime.md (generated from th
 1. Speed on cpu:2 at batch sizes where the average op takes over 100 µs: `fastt` (tuned while training, FastT's
    loop) against one device, data parallelism and plain eager PyTorch using both cores.
 2. Simulated vs measured iteration time for `fastt`, `dp` and `single` on every zoo model at test size.
-3. Runtime overhead on one device (cpu:1, all cores) against plain eager PyTorch with the same thread count.
+3. Runtime overhead on one device (cpu:1, all cores) against plain eager PyTorch with the same thread count, and
+   the part of it spent reading the step's inputs each call (hyperparameters from the param groups, the checks
+   that the model, optimizer and batch are what the step was captured for).
 Plus the machine's ceiling for two worker devices: one device's step alone vs two copies of it at once.
 
 Usage:
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fastt import zoo
+from fastt import guards, zoo
 from fastt.runtime import parallelize
 from fastt.runtime.bench import run_planners
 from fastt.runtime.reference import batch_like, eager_step
@@ -72,25 +74,32 @@ def accuracy(models: list[str], steps: int) -> list[dict]:
 
 
 def overhead(models: list[str], steps: int) -> list[dict]:
-    """fastt's runtime with the one-device plan on cpu:1 against eager, steps interleaved, medians."""
+    """fastt's runtime with the one-device plan on cpu:1 against eager, steps interleaved, medians; `inputs_s`:
+    what reading the step's inputs and checking them costs a call (`Step.check`, `Step.arguments`, guards)."""
     rows = []
     for name in models:
         print(f"overhead: {name}", file=sys.stderr)
         ref, ours = zoo.get(name, dropout=False), zoo.get(name, dropout=False)
         with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
             step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:1", "single")
-            eager, fastt = [], []
+            eager, fastt, inputs = [], [], []
+            captured = step.lowered.step
             for i in range(steps + 2):
                 b = batch_like(ref.example_inputs, i)
                 t0 = time.perf_counter()
                 eager_step(ref.model, ref.loss_fn, ref.optimizer, b)
                 t1 = time.perf_counter()
                 step(*b)
+                t2 = time.perf_counter()
+                captured.check(ours.model, ours.optimizer, b)
+                guards.check(captured.gm, b)
+                captured.arguments(ours.model, ours.optimizer, b)
                 eager.append(t1 - t0)
-                fastt.append(time.perf_counter() - t1)
+                fastt.append(t2 - t1)
+                inputs.append(time.perf_counter() - t2)
         e, f = statistics.median(eager[2:]), statistics.median(fastt[2:])
         rows.append({"model": name, "threads": torch.get_num_threads(), "eager_s": e, "fastt_s": f,
-                     "overhead": f / e - 1})
+                     "overhead": f / e - 1, "inputs_s": statistics.median(inputs[2:])})
     return rows
 
 
@@ -157,13 +166,18 @@ def render(out: dict, cmd: str) -> str:
         lines.append(f"| {r['model']} | {r['planner']} | {r['measured_s'] * ms:.1f} | {r['simulated_s'] * ms:.1f} "
                      f"| {r['error']:+.0%} |")
     over = [r["overhead"] for r in out["overhead"]]
+    inputs = [r["inputs_s"] / r["fastt_s"] for r in out["overhead"] if "inputs_s" in r]
     lines += ["", "## Runtime overhead on one device", "",
               (f"The one-device plan on cpu:1 against plain eager PyTorch with the same threads, steps interleaved. "
-              f"Median overhead: **{statistics.median(over):+.1%}**."), "",
-              "| model | threads | eager | fastt | overhead |", "|---|---|---|---|---|"]
+              f"Median overhead: **{statistics.median(over):+.1%}**."
+               + (f" Of a step, reading the hyperparameters from the param groups and checking that the model, "
+                  f"optimizer and batch are what the step was captured for takes at most "
+                  f"**{max(inputs):.2%}** (median {statistics.median(inputs):.2%})." if inputs else "")), "",
+              "| model | threads | eager | fastt | overhead | inputs and checks |", "|---|---|---|---|---|---|"]
     for r in out["overhead"]:
+        part = f"{r['inputs_s'] * ms:.2f} ({r['inputs_s'] / r['fastt_s']:.2%})" if "inputs_s" in r else "-"
         lines.append(f"| {r['model']} | {r['threads']} | {r['eager_s'] * ms:.1f} | {r['fastt_s'] * ms:.1f} | "
-                     f"{r['overhead']:+.1%} |")
+                     f"{r['overhead']:+.1%} | {part} |")
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--render", action="store_true", help="only rewrite docs/runtime.md from out/runtime.json")
-    ap.add_argument("--only", choices=["accuracy"],
+    ap.add_argument("--only", choices=["accuracy", "overhead"],
                     help="rerun this table alone (e.g. after a simulator change), keeping the others from the JSON")
     a = ap.parse_args()
     cmd = "python benchmarks/runtime.py"
@@ -180,8 +194,10 @@ def main() -> None:
         sys.exit(f"{path} is missing: run `{cmd}` (everything) first")
     if a.only:
         out = json.loads(path.read_text())
-        out["accuracy"] = accuracy(["mlp", "lenet"] if a.small else list(zoo.NAMES), 2 if a.small else 10)
-        out["rerun"] = sorted({*out.get("rerun", []), "accuracy"})
+        models = ["mlp", "lenet"] if a.small else list(zoo.NAMES)
+        out[a.only] = (accuracy(models, 2 if a.small else 10) if a.only == "accuracy" else
+                       overhead([m for m in models if m != "gnmt"], 4 if a.small else 20))
+        out["rerun"] = sorted({*out.get("rerun", []), a.only})
         path.write_text(json.dumps(out, indent=1))
     elif not a.render:
         speed_models = {"mlp": 64, "lenet": 64} if a.small else SPEED

@@ -297,19 +297,29 @@ _FLAGS = ("nesterov", "dampening", "amsgrad", "maximize", "decoupled_weight_deca
 
 
 def _structure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor]) -> dict:
-    """What the captured step is specialised to, each item named as a user would say it."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """What the captured step is specialised to, each item named as a user would say it. Tensors are known by
+    identity (a replaced layer is another tensor), cheaply: this runs before every step."""
     out: dict[str, object] = {
         "the optimizer's class": type(optimizer).__name__,
-        "the trainable parameters": tuple(n for n, _ in _trainable(model)),
+        "the trainable parameters": _Tensors(p for p in model.parameters() if p.requires_grad),
         "the number of param groups": len(optimizer.param_groups),
         "the batch's shapes and dtypes": tuple((tuple(t.shape), t.dtype) for t in batch),
     }
     for i, g in enumerate(optimizer.param_groups):
-        out[f"param group {i}'s parameters"] = tuple(names.get(id(p), "?") for p in g["params"])
+        out[f"param group {i}'s parameters"] = _Tensors(g["params"])
         out[f"param group {i}'s nonzero hyperparameters"] = _of_class(_HYPER_KEYS, optimizer)(g)
         out.update({f"param group {i}'s {f}": g[f] for f in _FLAGS if f in g})
     return out
+
+
+class _Tensors(tuple):
+    """Tensors compared by identity, shown by number."""
+
+    def __new__(cls, tensors):
+        return super().__new__(cls, map(id, tensors))
+
+    def __str__(self) -> str:
+        return f"{len(self)} tensors"
 
 
 def _changed(old: dict, new: dict) -> str:
