@@ -15,6 +15,7 @@ from ..cost import MeasuredCosts, calibrate_cpu
 from ..errors import FasttError
 from ..graph import OpGraph, rebatch, replicable
 from ..lower import Lowered
+from ..plan.basic import data_parallel
 from ..strategy import Strategy
 from .local import Placed, StepError, place, run_step
 from .tune import Tuner
@@ -90,7 +91,7 @@ def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
-                clip_grad_norm: float | None = None) -> ParallelStep:
+                clip_grad_norm: float | None = None, accumulate: int = 1) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
     the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
     runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
@@ -100,7 +101,15 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     planner plans with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and
     runs FastT's tuning loop during the first steps. `clip_grad_norm` clips the gradients to that global norm
     before every update, as `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
+    `accumulate=k` takes each step's batch as k micro-batches per device, one after the other, and updates once
+    with the whole batch's gradient (gradient accumulation: a device holds one micro-batch's activations): the
+    plan is data parallelism over the micro-batches (`plan.basic.data_parallel`).
     """
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise FasttError(f"accumulate must be a whole number of micro-batches a step (1 or more), got {accumulate!r}")
+    if accumulate > 1 and (tune or strategy is not None or planner not in ("fastt", "dp")):
+        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp (or the "
+                         "default), without tune or a strategy of your own")
     cl = cluster(devices)
     _check_home(model, example_inputs, cl)
     cl = calibrate_cpu(cl)
@@ -110,6 +119,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
                     clip_grad_norm=clip_grad_norm)
     tuner = Tuner() if tune is True else tune or None
+    if accumulate > 1:
+        strategy = data_parallel(graph, cl, accumulate)
     if strategy is None and tuner is not None and replicable(graph, n):
         strategy = plan(graph, cl, "dp")
         if not simulate(graph, strategy, cl).fits:
