@@ -260,7 +260,7 @@ def test_a_split_gradient_under_data_parallelism_is_averaged() -> None:
 
 
 @pytest.mark.parametrize("name,planner", [("mlp", "single"), ("mlp", "dp"), ("transformer", "dp"),
-                                          ("transformer", "fastt"), ("lenet", "dpos")])
+                                          ("mlp", "fastt"), ("lenet", "dpos")])
 def test_gradient_clipping_as_clip_grad_norm(name: str, planner: str) -> None:
     def make() -> tuple:
         w = zoo.get(name, "test", dropout=False)
