@@ -1,5 +1,6 @@
 """fastt: automatic device placement, scheduling and op splitting for training PyTorch models (FastT)."""
 
+from . import checkpoint
 from .api import capture, lower_bound, measure, plan, simulate
 from .cluster import Cluster, cluster
 from .errors import FasttError
@@ -13,6 +14,7 @@ __all__ = [
            "OpGraph",
            "Strategy",
            "capture",
+           "checkpoint",
            "cluster",
            "lower_bound", "measure",
            "plan",
