@@ -1,6 +1,7 @@
 """Plans over torch.distributed (gloo on loopback, one process per device, launched by torchrun) train as eager
-PyTorch does; a rank that dies or raises ends the job within seconds, named. The NCCL tests need GPUs (one per
-rank) and are skipped without them.
+PyTorch does, each rank reading its own shard of the batch (with LR schedules, clipping, any loss reduction, frozen
+layers, a Dataset read through a DistributedSampler); a rank that dies or raises ends the job within seconds,
+named. The NCCL tests need GPUs (one per rank) and are skipped without them.
 
 FASTT_DISTRIBUTED=full runs the issue's sizes (50 steps, inception_v3 on 4 ranks too); by default each run is a
 few steps, so CI stays short (4 ranks on 2 cores are oversubscribed: correct, slow).
@@ -49,6 +50,13 @@ def run(nproc: int, *args: str, timeout: float = 900) -> tuple[int, str, str]:
     p = torchrun(nproc, *args)
     out, err = p.communicate(timeout=timeout)
     return p.returncode, out, err
+
+
+def torchrun_script(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """python -m torch.distributed.run, 2 ranks, of a helper script in tests/."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / script), *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
 def results(path: Path) -> dict:
@@ -155,9 +163,7 @@ def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(tmp_path: P
     """DP, then the one-device plan (rank 1 idles, its model goes stale), then DP again: every step equals
     eager's step from the same state, so the switch gave rank 1 rank 0's parameters, state and BN buffers."""
     out = tmp_path / "switch.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parent / "distributed_switch.py"), "inception_v3", str(out)]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=600)
+    r = torchrun_script("distributed_switch.py", "inception_v3", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["replicas"] == [2, 2, 2, 1, 1, 1, 2, 2, 2]
@@ -256,3 +262,69 @@ def test_plans_over_nccl_train_as_eager(model: str, tmp_path: Path) -> None:
     for planner, r in results(tmp_path / "out.json").items():
         diff = r["max_step_rel_diff"] if r["splits"] else r["max_param_rel_diff"]
         assert diff <= 1e-5, (planner, r)
+
+
+@pytest.mark.parametrize(("model", "planner"), [("mlp", "dp"), ("mlp", "fastt"),
+                                                pytest.param("transformer", "dp", marks=pytest.mark.slow),
+                                                pytest.param("transformer", "fastt", marks=pytest.mark.slow)])
+def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner: str, tmp_path: Path) -> None:
+    """Each rank its shard; StepLR, CosineAnnealingLR, OneCycleLR (which also cycles the momentum) and a LambdaLR
+    warm-up, with the gradients clipped to a third of their first norm: 20 steps, every one the plain one-device
+    eager step from the same state (rtol 1e-5), the same loss, and no scheduler warning."""
+    r = torchrun_script("distributed_training.py", model, planner, str(tmp_path / "out.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())[planner]
+    assert sorted(got) == ["cosine", "onecycle", "step", "warmup"]
+    for schedule, res in got.items():
+        assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (schedule, res)
+
+
+def test_each_rank_reads_its_shard_and_trains_as_the_whole_batch(tmp_path: Path) -> None:
+    """Per-rank shards against the whole batch on every rank: bit for bit under DP (nothing travels), the
+    one-device plan (rank 1's rows go to rank 0) and a random plan of 4 replicas (rows both ways), for a mean, a
+    sum and a -100-masked mean (counts gathered); and a shard one rank refuses is refused by both, untrained."""
+    r = torchrun_script("distributed_shards.py", str(tmp_path / "out.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert len(got["cases"]) == 9
+    for case, res in got["cases"].items():
+        assert res["same"] and res["diff"] <= 1e-5, (case, res)
+    refused = got["refused"]
+    assert all(len(set(said)) == 1 for said in refused.values()), refused  # every rank says the same
+    assert re.match(r"rank 1 refused the batch: replica 1's share: this batch takes another branch .*"
+                    r"test_models\.py:\d+ in forward", refused["branch-dp"][0]), refused
+    assert refused["branch-single"][0].startswith("rank 0 refused the batch: this batch takes another branch")
+    assert refused["shape-dp"][0].startswith("rank 1 refused the batch: its shard's shapes are [(3, 4), (3,)], "
+                                             "not [(4, 4), (4,)]")
+
+
+def fastt_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fastt.cli", "run", "--devices", "cpu:2", *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300, cwd=cwd)
+
+
+MODELS = Path(__file__).parent / "distributed_models.py"
+
+
+@pytest.mark.parametrize("loss", ["summed", "mean", "masked", pytest.param("frozen", marks=pytest.mark.slow)])
+def test_fastt_run_check_over_torchrun_equals_the_one_device_eager_step(loss: str, tmp_path: Path) -> None:
+    """A sum, a mean and a -100-masked mean (the ranks' shards count differently), and a transformer with
+    frozen layers: `fastt run --check --launcher torchrun` under dp and fastt."""
+    r = fastt_run("--model", f"{MODELS}:{loss}", "--launcher", "torchrun", "--planners", "dp,fastt", "--steps", "6",
+                  "--check", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["max_param_rel_diff"] <= 1e-5 and [x["planner"] for x in out["results"]] == ["dp", "fastt"]
+    assert out["results"][0]["replicas"] == 2
+
+
+def test_launch_trains_from_a_dataset_each_rank_its_shard_with_clipping(tmp_path: Path) -> None:
+    """--data: a DistributedSampler gives each rank its shard of every batch, over more than one epoch (5
+    batches of 8 an epoch); with the gradients clipped (their norm starts above 0.1), every step equals eager's on
+    the batch the shards make."""
+    r = fastt_run("--model", f"{MODELS}:masked", "--data", f"{MODELS}:tokens", "--clip-grad-norm", "0.1",
+                  "--launcher", "torchrun", "--planners", "dp,single", "--steps", "12", "--check", "--json",
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["max_param_rel_diff"] <= 1e-5 and [x["replicas"] for x in out["results"]] == [2, 1]

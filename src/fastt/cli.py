@@ -18,10 +18,12 @@ import torch
 from tqdm import tqdm
 
 from . import api
+from .capture import check_clip
 from .cluster import Cluster, cluster, cuda_cluster
 from .cost import MeasuredCosts, calibrate_cpu
 from .errors import FasttError
 from .graph import OpGraph
+from .launch import training_options
 from .plan import PLANNERS, get_planner
 from .simulate import inter_node_bytes
 from .strategy import Strategy
@@ -53,20 +55,27 @@ def load_workload(spec: str, size: str, batch: int | None, optimizer: str) -> tu
     returning (model, loss_fn, optimizer, example_inputs)."""
     check_models([spec])
     if _is_file_spec(spec):
-        path, fn_name = spec.rsplit(":", 1)
-        mod_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-            return (Path(path).stem, *getattr(module, fn_name)())
-        except FasttError:
-            raise
-        except Exception as e:
-            raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+        return (Path(spec.rsplit(":", 1)[0]).stem, *call_file(spec))
     from . import zoo
 
     w = zoo.get(spec, size, batch=batch, optimizer=optimizer, dropout=False)
     return spec, w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+
+def call_file(spec: str) -> object:
+    """What the function of `path/to/file.py:function` returns; a FasttError naming the spec if it raises."""
+    path, fn_name = spec.rsplit(":", 1)
+    if not _is_file_spec(spec) or not Path(path).is_file():
+        raise FasttError(f"{spec}: not path/to/file.py:function of an existing file")
+    mod_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+        return getattr(module, fn_name)()
+    except FasttError:
+        raise
+    except Exception as e:
+        raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
 
 
 def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
@@ -243,10 +252,15 @@ def cmd_run(a: argparse.Namespace) -> None:
         if p != "eager":
             get_planner(p)
     check_models([a.model])
+    check_clip(a.clip_grad_norm)  # before torchrun starts the ranks
+    if a.data and not (_is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
+        raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
     if a.launcher == "torchrun":
         out = run_torchrun(a, planners)
         print(json.dumps(out) if a.json else format_run(out))
         return
+    if a.data:
+        raise FasttError("--data trains one shard of every batch per rank: use it with --launcher torchrun")
     rnn = a.model in ("rnnlm", "gnmt")
 
     def make() -> tuple:
@@ -255,7 +269,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN, cuDNN off).
     with torch.backends.mkldnn.flags(enabled=not rnn), torch.backends.cudnn.flags(enabled=not rnn):
-        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune)
+        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm)
     print(json.dumps(out) if a.json else format_run(out))
 
 
@@ -283,7 +297,9 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
                "--optimizer", a.optimizer,
                "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
                "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
-               *(["--check"] if a.check else []), *(["--tune"] if a.tune else [])]
+               *(["--check"] if a.check else []), *(["--tune"] if a.tune else []),
+               *(["--clip-grad-norm", str(a.clip_grad_norm)] if a.clip_grad_norm is not None else []),
+               *(["--data", a.data] if a.data else [])]
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
         if r.returncode != 0 or not out_path.is_file():
             said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]
@@ -377,6 +393,7 @@ def parser() -> argparse.ArgumentParser:
                         "cpu:N, NCCL on cuda (python -m fastt.launch; multi-node: run torchrun yourself on every "
                         "node)")
     p.add_argument("--timeout", type=float, default=20.0, help="torchrun: seconds a rank waits for a peer")
+    training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))

@@ -3,8 +3,13 @@
     torchrun --nproc-per-node 2 -m fastt.launch --model mlp --size test --planners fastt,dp --steps 50 --check
     torchrun --nproc-per-node 4 -m fastt.launch --device cuda --model bert-base --steps 50   # a GPU per rank
 
-Every rank builds the same workload (seed 0) and the same batches; rank 0 prints the result (as `fastt run` does)
-and, with `--out`, writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
+Every rank builds the same workload (seed 0) and trains on its own shard of every batch (rows
+[r·B/world, (r+1)·B/world) of a batch of B, the model's example batch size): of batches like the example one
+(`batch_like`), or with `--data FILE.py:FUNCTION` of the torch Dataset that function returns, read through a
+`DistributedSampler` (shuffled, seed 0, a new order every epoch) and a DataLoader of B/world samples, as a
+DDP training script reads it. `--check` compares every step with the plain one-device eager step on the
+whole batch (with `--data`, the ranks' shards gathered). Rank 0 prints the result (as `fastt run` does) and, with `--out`,
+writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
 rendezvous endpoint, as usual. A rank that fails or loses a peer exits non-zero with a message naming the rank
 that failed first; `--timeout` bounds how long a rank waits for a peer.
 
@@ -24,6 +29,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -56,11 +62,55 @@ def _fault(rank: int, step: int) -> None:
         raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
 
 
+def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data.DataLoader | None,
+            device: torch.device, whole: bool) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+    """`steps` batches, like `inputs` or from `loader` (this rank's, from its first epoch): this rank's shard of
+    each and, if `whole`, the whole batch (a collective then)."""
+    from .runtime.distributed import whole_batch
+    from .runtime.reference import batch_like
+    from .runtime.shards import shard_of
+
+    if loader is None:
+        for i in range(steps):
+            b = [x.to(device) for x in batch_like(inputs, i)]
+            yield shard_of(b, dist.get_rank(), dist.get_world_size()), b if whole else None
+        return
+    step, epoch = 0, 0
+    while step < steps:
+        loader.sampler.set_epoch(epoch)
+        for b in loader:
+            shard = [x.to(device) for x in b]
+            yield shard, whole_batch(shard) if whole else None
+            step += 1
+            if step == steps:
+                return
+        epoch += 1
+
+
+def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.DataLoader:
+    """Rank `rank`'s DataLoader of the Dataset `spec` returns: its shard of every batch of `batch` samples."""
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+    from .cli import call_file
+
+    data = call_file(spec)
+    if not isinstance(data, Dataset):
+        raise FasttError(f"--data {spec} returned {type(data).__name__}, not a torch.utils.data.Dataset")
+    if batch % world:
+        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch divisible "
+                         f"by {world}")
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=batch // world, sampler=sampler, drop_last=True)
+    if not len(loader):
+        raise FasttError(f"--data {spec}: its {len(data)} samples make no batch of {batch} over {world} ranks")
+    return loader
+
+
 def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
     from .cli import load_workload
     from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
-    from .runtime.reference import batch_like, eager_reference_step, max_param_rel_diff, take_state
+    from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
 
     rank, device = dist.get_rank(), rank_device()
 
@@ -69,33 +119,36 @@ def train(args: argparse.Namespace) -> dict | None:
         name, model, loss_fn, opt, inputs = load_workload(args.model, args.size, args.batch, args.optimizer)
         return name, model.to(device), loss_fn, opt, tuple(x.to(device) for x in inputs)
 
+    # Batches of the example's size; a bad --data fails before the ranks calibrate.
+    loader = _loader(args.data, make()[4][0].shape[0], rank, dist.get_world_size()) if args.data else None
     cl = rank_cluster(device)
-    results, worst = [], 0.0
+    results, worst, clip = [], 0.0, args.clip_grad_norm
     for planner in args.planners.split(","):
         name, model, loss_fn, opt, inputs = make()
         if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
             results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
-                                                                                    args.steps),
+                                                                                    args.steps, clip),
                             "simulated_iteration_s": None, "error": None})
             continue
         strategy = Strategy.load(args.strategy) if args.strategy else None
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
-                                       timeout_s=args.timeout, tune=args.tune and planner == "fastt")
+                                       timeout_s=args.timeout, tune=args.tune and planner == "fastt",
+                                       clip_grad_norm=clip)
         if args.save_plans and rank == 0:
             os.makedirs(args.save_plans, exist_ok=True)
             step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
-        batches = [tuple(x.to(device) for x in batch_like(inputs, i)) for i in range(args.steps)]
-        ref = make() if (args.check or args.check_steps) and rank == 0 else None
+        check = args.check or args.check_steps
+        ref = make() if check and rank == 0 else None
         times, step_diffs, replicas, tuned = [], [], [], 0
-        for i, b in enumerate(batches):
+        for i, (shard, whole) in enumerate(batches(args.steps, inputs, loader, device, check)):
             replicas.append(step.strategy.replicas)
             if ref is not None:  # the reference takes this step from our state
                 take_state(model, opt, ref[1], ref[3])
-                eager_reference_step(ref[1], ref[2], ref[3], b, replicas[-1])
+                eager_reference_step(ref[1], ref[2], ref[3], whole, replicas[-1], clip)
             dist.barrier()
             t0 = time.perf_counter()
             _fault(rank, i)  # the others are in the step, waiting for this rank
-            step(*b)  # on a GPU it ends once the GPU is done
+            step(*shard)  # on a GPU it ends once the GPU is done
             dist.barrier()
             times.append(time.perf_counter() - t0)
             tuned += step.tuner is not None and step.tuner.active
@@ -118,10 +171,10 @@ def train(args: argparse.Namespace) -> dict | None:
                       for lk in cl.links},
             "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
             "steps": args.steps, "results": results,
-            "max_param_rel_diff": worst if args.check or args.check_steps else None}
+            "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip}
 
 
-def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
+def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None) -> float:
     """Rank 0's median eager step time (after the first); the other ranks wait."""
     from .runtime.bench import timed
     from .runtime.distributed import alone_on_rank0
@@ -131,12 +184,22 @@ def _eager_time(model, loss_fn, opt, inputs, steps: int) -> float:
         times = []
         for i in range(steps):
             b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
-            times.append(timed(eager_step, model, loss_fn, opt, b))
+            times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm))
         return statistics.median(times[1:] or times)
 
     time_s = alone_on_rank0(run)
     dist.barrier()
     return time_s or 0.0
+
+
+def training_options(p: argparse.ArgumentParser) -> None:
+    """The options of a training run that `fastt run` shares."""
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="clip the gradients' global norm to X every step (torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
+                   help="torchrun: train on the torch Dataset this function returns (items: the model's inputs "
+                        "and target), each rank reading its shard of every batch (DistributedSampler; batches of "
+                        "the model's example batch size)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -161,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop; rank 0 "
                         "decides, every rank switches) instead of racing its plan against DP before training")
+    training_options(p)
     return p
 
 

@@ -60,13 +60,23 @@ class ReplicaWeights:
     scale: float = 1.0
     count: Callable[..., torch.Tensor] | None = None
 
+    @property
+    def counts(self) -> bool:
+        """Whether the weights depend on what each share counts (a ratio), not only on the number of replicas."""
+        return self.kind == RATIO
+
     def of(self, shares: Sequence[Sequence[torch.Tensor]]) -> list[float]:
         n = len(shares)
+        return self.weighed([float(self.count(*share)) for share in shares] if self.counts and n > 1 else [0.0] * n)
+
+    def weighed(self, counts: Sequence[float]) -> list[float]:
+        """s_k from each replica's count (`count(*share)`, read for a ratio only): a distributed rank counts its
+        own shares and the ranks gather the counts."""
+        n = len(counts)
         if self.kind == SUM:
             return [n * self.scale] * n
         if self.kind == MEAN or n == 1:
             return [self.scale] * n
-        counts = [float(self.count(*share)) for share in shares]
         total = sum(counts)
         if not all(c > 0 for c in counts):
             k = next(i for i, c in enumerate(counts) if not c > 0)

@@ -30,6 +30,7 @@ failure.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -38,7 +39,7 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -58,7 +59,18 @@ from ..graph import OpGraph, replicable
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import run_part
 from ..strategy import Strategy
-from .local import Placed, Programs, Segment, _Run, place, replica_envs, replica_mean, weighted_loss
+from .local import (
+    Placed,
+    Programs,
+    Segment,
+    _Run,
+    place,
+    replica_envs,
+    replica_mean,
+    replica_tables,
+    weighted_loss,
+)
+from .shards import Feed, Piece, plan_feed, shard_of
 from .tune import Tuner
 
 DEFAULT_TIMEOUT_S = 20.0
@@ -830,7 +842,7 @@ class _RankRun(_Run):
                 else:
                     work.wait(timeout)
                 sh.mean(recv, mine)
-                gathers.append(dist.all_gather_into_tensor(out, mine, group=group, async_op=True))
+                gathers.append(dist.all_gather_single(out, mine, group=group, async_op=True))
             return gathers
 
         try:
@@ -986,9 +998,13 @@ def _lost(src: int, name: str, e: BaseException, timeout: timedelta) -> str:
 
 
 class DistributedStep:
-    """One training step of this rank's share of a plan: `loss = step(*batch)` (every rank passes the same whole
-    batch; the loss comes back on rank 0, None elsewhere). Rank 0's model and optimizer are the truth after every
-    step; other ranks keep what their devices read."""
+    """One training step of this rank's share of a plan: `loss = step(*shard)`, every rank passing its shard of
+    the batch: rank r's B/world samples, rows [r·B/world, (r+1)·B/world) of the whole batch of B the step was
+    captured with (`fastt.runtime.shards`; in a data-parallel plan rank r's shard is replica r's share, what
+    `DistributedSampler` and a DataLoader of batch B/world give rank r). The rows a plan reads on another rank
+    travel there. Every rank may instead pass the same whole batch (nothing travels). The loss comes back on rank
+    0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep what their
+    devices read."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed, wiring: Wiring,
                  timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None, cluster: Cluster | None = None,
@@ -1004,6 +1020,7 @@ class DistributedStep:
         self.targets = placed.programs.targets
         self._placed, self.wiring = placed, wiring
         self.buffers = _Buffers(wiring, self.rank, placed.programs.targets[self.rank])
+        self._feed: Feed | None = None
 
     @property
     def placed(self) -> Placed:
@@ -1017,6 +1034,18 @@ class DistributedStep:
         if not same:
             self.wiring = wire(placed.lowered, placed.programs)
             self.buffers = _Buffers(self.wiring, self.rank, placed.programs.targets[self.rank])
+            self._feed = None
+
+    @property
+    def feed(self) -> Feed:
+        """Which rows of the batch each rank holds, and those that travel (made when a shard first comes: a
+        batch that does not split into the ranks' shards can still run whole)."""
+        if self._feed is None:
+            low, programs = self.placed.lowered, self.placed.programs
+            reads = [[(seg.replica, name) for seg in segs for name in _reads(low, programs, seg)]
+                     for segs in programs.devices]
+            self._feed = plan_feed(low, programs, reads)
+        return self._feed
 
     @property
     def strategy(self) -> Strategy:
@@ -1030,23 +1059,26 @@ class DistributedStep:
         t0 = time.perf_counter()
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
-        step.check(self.model, self.optimizer, batch, low.replicas)
-        guards.check(step.gm, batch, low.replicas)
-        params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
-        envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
+        whole = self.world == 1 or len(batch) > 0 and batch[0].shape[0] == step.batch * low.replicas
+        if whole:
+            step.check(self.model, self.optimizer, batch, low.replicas)
+            guards.check(step.gm, batch, low.replicas)
+        else:
+            with torch.no_grad(), self._failing():
+                shares, weights = self._fed(batch)
+        params, buffers, states, _, hypers = step.arguments(self.model, self.optimizer, batch)
+        envs = (replica_envs(low, programs, params, buffers, states, batch, hypers) if whole else
+                replica_tables(low, programs, params, buffers, states, shares, hypers, weights))
         tuning = self.tuner is not None and self.tuner.active
         run = _RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
                        [] if tuning else None)
         with torch.no_grad():
             for env in envs:
-                for name in low.prelude:
-                    run.call(name, env)
-            try:
+                for name in low.prelude:  # a view of an input this rank does not hold is read nowhere here
+                    if all(a.name in env for a in programs.nodes[name].all_input_nodes):
+                        run.call(name, env)
+            with self._failing():
                 run.run()
-            except Exception as e:
-                raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
-                                               else f"rank {self.rank}: {type(e).__name__}: {e}",
-                                               lost_peer=isinstance(e, LostPeer))) from e
         keep = self.wiring.keep[self.rank]
         named = dict(zip(programs.placeholders, [*params, *buffers, *(s for ss in states for s in ss)]))
         for x, name, dim, k, parts in self.wiring.merge[self.rank]:
@@ -1063,6 +1095,83 @@ class DistributedStep:
         if tuning:
             self._tune(time.perf_counter() - t0, run.timings)
         return loss
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A failure of this rank (not a refused batch) is recorded as the job's, and raised as a RankError."""
+        try:
+            yield
+        except FasttError:
+            raise
+        except Exception as e:
+            raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
+                                           else f"rank {self.rank}: {type(e).__name__}: {e}",
+                                           lost_peer=isinstance(e, LostPeer))) from e
+
+    def _fed(self, shard: Sequence[torch.Tensor]) -> tuple[list[list[torch.Tensor | None]], list[float]]:
+        """Per replica, the inputs this rank holds (None where it holds none) from its shard and the rows the
+        others send (`Feed`), and every replica's loss weight. A shard one rank refuses (its shape, a change of
+        the model or optimizer, a guard of a share it checks) is refused by every rank, nothing trained."""
+        low, feed, r = self.placed.lowered, self.feed, self.placed.lowered.replicas
+        why = _bad_shard(feed, shard)
+        if why:  # zeros of the right shape keep the exchange in step; every rank refuses below
+            shard = [torch.zeros((feed.shard, *sample), dtype=dtype, device=self.buffers.device)
+                     for sample, dtype in feed.leaves]
+        else:
+            try:  # the shard's shape is right: only the model and optimizer are left to check
+                low.step.check(self.model, self.optimizer, [x[:1].expand(feed.share, *x.shape[1:]) for x in shard])
+            except FasttError as e:
+                why = str(e)
+        shares = feed.shares(self.rank, shard, self._exchange(feed, shard))
+        counts = [0.0] * r
+        for k in [k for k, c in enumerate(feed.checker) if c == self.rank and not why]:
+            try:
+                guards.check(low.step.gm, shares[k])
+            except FasttError as e:
+                why = f"replica {k}'s share: {e}" if r > 1 else str(e)
+                break
+            if low.weights.counts and r > 1:
+                counts[k] = float(low.weights.count(*shares[k]))
+        return shares, low.weights.weighed(self._agree(why, counts))
+
+    def _exchange(self, feed: Feed, shard: Sequence[torch.Tensor]) -> dict[Piece, torch.Tensor]:
+        """The rows of other ranks' shards this rank needs, received while it sends the rows others need from
+        its own: one message per direction, before any of the step's own (each direction keeps its order)."""
+        groups, device = directions(self.buffers.device), self.buffers.device
+        posted = []
+        for src, pieces in feed.receives(self.rank).items():
+            leaves = [feed.leaf(p) for p in pieces]
+            buf = self.buffers.get(("feed", "in", src), _packed_size(leaves))
+            posted.append((src, pieces, leaves, buf, dist.irecv(buf, src, group=groups[src, self.rank])))
+        sent = []
+        for dst, pieces in feed.sends(self.rank).items():
+            pairs = [(feed.rows(self.rank, shard[p.input], p.lo, p.hi), feed.leaf(p)) for p in pieces]
+            buf = _pack(pairs, self.buffers.get(("feed", "out", dst), _packed_size([leaf for _, leaf in pairs])))
+            sent.append((dst, dist.isend(buf, dst, group=groups[self.rank, dst])))
+        received = {}
+        for src, pieces, leaves, buf, work in posted:
+            _done(work, self.timeout, device, lambda e, src=src: _lost(src, "rows of the batch", e, self.timeout))
+            received.update(zip(pieces, _unpack(buf, leaves)))
+        for dst, work in sent:
+            _done(work, self.timeout, device,
+                  lambda e, dst=dst: f"a send to rank {dst} failed ({type(e).__name__}: {e})")
+        return received
+
+    def _agree(self, why: str, counts: list[float]) -> list[float]:
+        """Every replica's count, from the rank that checks it (one all_gather); if any rank refused its shard
+        (`why`), every rank raises its reason."""
+        mine = torch.tensor([1.0 if why else 0.0, *counts], dtype=torch.float64, device=self.buffers.device)
+        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=mine.device)
+        work = dist.all_gather_single(everyone, mine, async_op=True)
+        _done(work, self.timeout, mine.device,
+              lambda e: f"a rank did not join the check of the batch's shards ({type(e).__name__}: {e})")
+        table = everyone.view(self.world, -1).tolist()
+        refused = [rank for rank, row in enumerate(table) if row[0]]
+        if refused:
+            whys: list = [None] * self.world
+            dist.all_gather_object(whys, why)
+            raise FasttError(f"rank {refused[0]} refused the batch: {whys[refused[0]]}")
+        return [table[c][1 + k] for k, c in enumerate(self.feed.checker)]
 
     def _tune(self, seconds: float, timings: list) -> None:
         """FastT's loop across the ranks: rank 0's tuner observes every rank's segment times and this step's
@@ -1092,6 +1201,31 @@ class DistributedStep:
         self.placed = placed
         _check_same(self.wiring)
         sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
+
+
+def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
+    """Why `shard` is not a shard of the step's batch ('' if it is)."""
+    want = [(feed.shard, *sample) for sample, _ in feed.leaves]
+    got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in shard]
+    if got != want or any(x.dtype != dtype for x, (_, dtype) in zip(shard, feed.leaves)):
+        return (f"its shard's shapes are {got}, not {want} (its rows of the batch of {feed.shard * feed.world} "
+                f"over {feed.world} ranks; or pass the whole batch on every rank)")
+    return ""
+
+
+def _done(work, timeout: timedelta, device: torch.device, lost: Callable[[BaseException], str]) -> None:
+    """Wait for `work` at most `timeout` (on a GPU polled: its `wait` only makes the stream wait), raising
+    LostPeer(lost(the error)) when it fails."""
+    try:
+        if device.type == "cuda":
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("timed out")
+                time.sleep(2e-4)
+        work.wait(timeout)
+    except (RuntimeError, TimeoutError) as e:
+        raise LostPeer(lost(e)) from e
 
 
 def record_failure(message: str, lost_peer: bool = False) -> str:
@@ -1373,10 +1507,12 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
     current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
     inputs. Every rank captures the step and measures its op times (at once, so they
-    include what the ranks cost each other); rank 0 plans and sends the plan to all.
+    include what the ranks cost each other); rank 0 plans and sends the plan to all. `example_inputs` is a whole
+    batch (`whole_batch` makes one of the ranks' shards); training then passes each rank its shard
+    (`DistributedStep`).
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both run
-    `trial_steps` steps on copies of the model and optimizer first (0: no trial). `step.trial` has the times.
+    `trial_steps` steps first, the model and optimizer restored after (0: no trial). `step.trial` has the times.
     `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's
     tuning loop in the first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's
     tuner decides and logs."""
@@ -1414,7 +1550,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
         if not same and simulate(graph, dp, cl, costs).fits:
             rival = _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s)
-            times = [_trial(s, example_inputs, trial_steps) for s in (step, rival)]
+            mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
+            times = [_trial(s, mine, trial_steps) for s in (step, rival)]
             step = step if times[0] <= times[1] else rival
             step.trial = {"fastt_plan_s": times[0], "dp_s": times[1], "kept": step.strategy.planner}
     return step
@@ -1437,6 +1574,18 @@ def _check_same(wiring: Wiring) -> None:
         raise FasttError("the ranks compiled different programs: do all ranks build the same model and inputs?")
 
 
+def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole batch that the ranks' shards make (rank 0's rows first), on every rank: one all_gather per
+    input. Every rank calls it, like a collective."""
+    out = []
+    for x in shard:
+        x = x.contiguous()
+        whole = torch.empty((dist.get_world_size() * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(whole, x)
+        out.append(whole)
+    return out
+
+
 def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
     """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer)."""
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
@@ -1456,19 +1605,21 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
 
 
 def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> float:
-    """Median seconds of `steps` steps (after one warm-up) of `step`'s plan on copies of the model and optimizer,
-    timed on rank 0 between barriers; every rank gets rank 0's time."""
-    model, optimizer = copy.deepcopy((step.model, step.optimizer))
-    trial = DistributedStep(model, optimizer, step.placed, step.wiring, step.timeout.total_seconds())
+    """Median seconds of `steps` steps (after one warm-up) of `step`'s plan, timed on rank 0 between barriers;
+    every rank gets rank 0's time. The model and optimizer get their state back after (copies of them would be
+    other tensors to the step's check)."""
+    saved = copy.deepcopy((step.model.state_dict(), step.optimizer.state_dict()))
     times = []
     device = step.buffers.device
     for _ in range(steps + 1):
         _synchronized(device)
         dist.barrier()
         t0 = time.perf_counter()
-        trial(*batch)
+        step(*batch)
         dist.barrier()
         times.append(_synchronized(device) - t0)
+    step.model.load_state_dict(saved[0])
+    step.optimizer.load_state_dict(saved[1])
     box = [statistics.median(times[1:])]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -421,14 +421,22 @@ def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
     b = batch[0].shape[0] // r
     shares = [[x[k * b:(k + 1) * b] for x in batch] for k in range(r)]
-    weights = low.weights.of(shares)
+    return replica_tables(low, programs, params, buffers, states, shares, hypers, low.weights.of(shares))
+
+
+def replica_tables(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
+                   buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+                   shares: Sequence[Sequence[torch.Tensor | None]], hypers: Sequence[float],
+                   weights: Sequence[float]) -> list[dict]:
+    """`replica_envs` from each replica's share and weight; an input that is None is left out of its table (a
+    distributed rank holds only the inputs it reads)."""
     written = {name for name, _, _ in programs.writeback}
     envs = []
-    for k in range(r):
+    for k in range(low.replicas):
         own = list(buffers) if k == 0 else [x.clone() if name in written else x
                                              for name, x in zip(programs.placeholders[len(params):], buffers)]
         flat = [*params, *own, *(s for ss in states for s in ss), *shares[k], *hypers, weights[k]]
-        envs.append(dict(zip(programs.placeholders, flat, strict=True)))
+        envs.append({name: x for name, x in zip(programs.placeholders, flat, strict=True) if x is not None})
     return envs
 
 
