@@ -181,8 +181,10 @@ def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.C
 
 def test_demo_compares_planners(tmp_path: Path) -> None:
     out = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
-    real, simulated = out.split("\n\n", 1)
+    real, example, simulated = out.split("\n\n", 2)
     assert real.startswith("mlp trained for real on cpu:2")
+    accuracy = re.match(r"digits: test accuracy (\S+)%", example)
+    assert accuracy and float(accuracy.group(1)) >= 90 and (tmp_path / "digits_loss.png").is_file()
     assert [line.split()[0] for line in real.splitlines()[1:5]] == ["fastt", "dp", "single", "eager"]
     diff = re.search(r"largest relative parameter difference from eager: (\S+)", real)
     assert diff and float(diff.group(1)) <= 1e-5

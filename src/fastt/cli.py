@@ -327,7 +327,9 @@ def format_run(out: dict) -> str:
 
 def cmd_demo(a: argparse.Namespace) -> None:
     """The main job: a real run on this machine's CPU worker devices (fastt tuned in the first steps, FastT's
-    loop), then planners compared on simulated GPU clusters."""
+    loop), a user's training loop around fastt (the digits example, small), then planners compared on simulated
+    GPU clusters."""
+    from .examples import digits
     from .runtime.bench import run_planners
 
     def make() -> tuple:
@@ -336,6 +338,10 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
     out = run_planners(make, "cpu:2", ["fastt", "dp", "single", "eager"], 16, check=True, tune=True)
     print(json.dumps(out) if a.json else format_run(out) + "\n")
+    # A user's loop end to end: an LR schedule and clipping around fastt, trained to a test accuracy.
+    digits.main(["--small", "--plot", "digits_loss.png", *(["--json"] if a.json else [])])
+    if not a.json:
+        print()
     models = a.models.split(",")
     for spec in a.clusters.split(","):
         cl = cluster(spec)
