@@ -233,6 +233,7 @@ class _Run:
         self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
         self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
+        self.raw: dict[str, list] = {}  # gradient -> each replica's own, as the first allreduce of it found them
         self.error: tuple[str, int, BaseException] | None = None
         self.recorded: dict[int, tuple[torch.cuda.Event, int]] = {}  # op -> (CUDA event, device that recorded it)
         self.moved: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (source, copy)
@@ -283,10 +284,11 @@ class _Run:
         for ev in self.events.values():
             ev.set()
 
-    def get(self, k: int, name: str, d: int):
-        """Replica k's value `name` on device d: on another GPU, copied once per step. The copy runs on a stream
-        of the source GPU that first waits for device d's stream, which has waited for the value's producer."""
-        x = self.envs[k][name]
+    def get(self, k: int, name: str, d: int, x: object = None):
+        """Replica k's value `name` (or `x`, a value it had) on device d: on another GPU, copied once per step. The
+        copy runs on a stream of the source GPU that first waits for device d's stream, which has waited for the
+        value's producer."""
+        x = self.envs[k][name] if x is None else x
         if not self.cuda or not isinstance(x, torch.Tensor) or not x.is_cuda or x.device == self.programs.targets[d]:
             return x  # CPU tensors in a GPU step (e.g. attention's random seed) stay where the kernel wants them
         hit = self.moved.get((k, name, d))
@@ -306,7 +308,12 @@ class _Run:
         if not all(self.wait(j, d) for a in ops for j in self.low.graph.ops[a].inputs):
             return False
         names = [name for a in ops for name in self.low.allreduces[a]]
-        grads = [[self.get(k, name, d) for name in names] for k in range(len(self.envs))]
+        # Two allreduces may carry one gradient (a clip's norm and its update both read it): each averages the
+        # replicas' own gradients, kept aside by the first, never a mean another device has written meanwhile.
+        with self.lock:
+            for name in names:
+                self.raw.setdefault(name, [env[name] for env in self.envs])
+        grads = [[self.get(k, name, d, self.raw[name][k]) for name in names] for k in range(len(self.envs))]
         self.average(names, grads)
         if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
             self.held += grads
