@@ -130,18 +130,24 @@ def rebatch(graph: OpGraph, batch: int) -> OpGraph:
 
 def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
     """The step at batch/n replicated n times (`graph` itself when n == 1)."""
+    return replicate(_replica_step(graph, n), n)
+
+
+def _replica_step(graph: OpGraph, n: int) -> OpGraph:
+    """The step at batch/n that n replicas run; FasttError if they cannot compute `graph`'s step."""
     if graph.batch % n:
         raise FasttError(f"batch {graph.batch} of '{graph.name}' does not split into {n} equal replicas: "
                          f"use a batch divisible by {n}")
     sub = rebatch(graph, graph.batch // n)
     loss_weights(graph, sub, n)  # refuses a loss that replicas cannot compute
-    return replicate(sub, n)
+    return sub
 
 
 def replicable(graph: OpGraph, n: int) -> bool:
-    """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be weighed)."""
+    """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be weighed),
+    without building the replicated graph."""
     try:
-        data_parallel_graph(graph, n)
+        _replica_step(graph, n)
     except FasttError:
         return False
     return True

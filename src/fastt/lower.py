@@ -89,6 +89,6 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     prelude = tuple(dict.fromkeys([*constants, *(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
                                                  for n in op.nodes if n in call_nodes)]))
     order = {name: k for k, name in enumerate(nodes)}
-    weights = loss_weights(graph, g, strategy.replicas) if strategy.replicas > 1 else ONE
+    weights = loss_weights(graph, g, strategy.replicas)
     return Lowered(graph=g, step=step, replicas=strategy.replicas, programs=programs, allreduces=allreduces,
                    prelude=tuple(sorted(prelude, key=order.__getitem__)), weights=weights)

@@ -54,18 +54,18 @@ class Feed:
 
     def sends(self, rank: int) -> dict[int, list[Piece]]:
         """The pieces `rank` sends, per receiving rank (one message each)."""
-        out: dict[int, list[Piece]] = {}
-        for p in self.pieces:
-            if p.src == rank:
-                out.setdefault(p.dst, []).append(p)
-        return out
+        return self._between(rank, sending=True)
 
     def receives(self, rank: int) -> dict[int, list[Piece]]:
         """The pieces `rank` receives, per sending rank."""
+        return self._between(rank, sending=False)
+
+    def _between(self, rank: int, sending: bool) -> dict[int, list[Piece]]:
         out: dict[int, list[Piece]] = {}
         for p in self.pieces:
-            if p.dst == rank:
-                out.setdefault(p.src, []).append(p)
+            mine, peer = (p.src, p.dst) if sending else (p.dst, p.src)
+            if mine == rank:
+                out.setdefault(peer, []).append(p)
         return out
 
     def leaf(self, p: Piece) -> tuple:
