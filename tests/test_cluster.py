@@ -100,6 +100,21 @@ def test_multi_node_routes_through_nics() -> None:
     assert cluster("2x8xH100").transfer_time(0, 15, 50e6) == pytest.approx(3e-6 + 1e-3)
 
 
+@pytest.mark.parametrize("spec, name, bytes_per_s", [("2x4xA100@25Gbps", "2x4xA100-nvlink@25Gbps", 25e9 / 8),
+                                                     ("4x1xV100@10gbit", "4x1xV100-nvlink@10Gbps", 10e9 / 8),
+                                                     ("2x2xV100-pcie@400Mbps", "2x2xV100-pcie@0.4Gbps", 50e6),
+                                                     ("2x2xH100@12.5GB/s", "2x2xH100-nvlink@100Gbps", 12.5e9)])
+def test_network_between_nodes(spec: str, name: str, bytes_per_s: float) -> None:
+    """`@RATE` replaces the NIC between nodes (Ethernet); the links inside a node stay the preset's."""
+    c, preset = cluster(spec), cluster(spec.partition("@")[0])
+    assert c.name == name and len(c.links) == len(preset.links)
+    last = len(c) - 1
+    assert c.transfer_time(0, last, 1e6) == pytest.approx(3e-6 + 1e6 / bytes_per_s)
+    if c.devices[1].node == 0:
+        assert c.transfer_time(0, 1, 1e6) == preset.transfer_time(0, 1, 1e6)
+    assert cluster(c.name) == c  # the name is a spec that builds the same cluster
+
+
 @pytest.mark.parametrize("spec", ["cpu:3", "4xV100", "8xA100-pcie", "2x4xA100", "2x2xV100-pcie"])
 def test_json_round_trip(spec: str, tmp_path: Path) -> None:
     c = cluster(spec)
@@ -190,7 +205,9 @@ def test_preset_matching() -> None:
 
 
 @pytest.mark.parametrize("spec", ["foo", "4xK80", "4x", "xV100", "cpu:", "cpu:x", "4xV100-ethernet", "cuda:a",
-                                  "0xV100", "2x0xA100", "cpu:0", "", "missing.json", 3])
+                                  "0xV100", "2x0xA100", "cpu:0", "", "missing.json", 3, "4xV100@10Gbps",
+                                  "2x4xV100@", "2x4xV100@fast", "2x4xV100@0Gbps", "2x4xV100@-1Gbps",
+                                  "2x4xV100@10Gbpm"])
 def test_bad_specs_raise_one_line(spec: object) -> None:
     with pytest.raises(FasttError) as err:
         cluster(spec)  # type: ignore[arg-type]

@@ -6,7 +6,8 @@ which is how contention is modelled.
 
 `cluster(spec)` builds one from a spec: `cpu:N` (N CPU worker devices on this machine), `cuda` / `cuda:0,1`
 (local GPUs), `NxGPU[-nvlink|-pcie]` (a simulated node of data-sheet GPUs, e.g. `4xV100`, `8xA100-pcie`),
-`MxNxGPU[-link]` (M such nodes joined by one NIC each), or a JSON file (`Cluster.save` writes one).
+`MxNxGPU[-link]` (M such nodes joined by one NIC each: the preset's InfiniBand, or `MxNxGPU[-link]@RATE`, e.g.
+`2x4xA100@25Gbps`, `4x1xV100@10Gbps` for Ethernet), or a JSON file (`Cluster.save` writes one).
 Device `kind` names the cost profile a device uses: "cpu" and "cuda" are devices fastt can run on and measure;
 a preset's name (e.g. "V100") marks a simulated GPU costed from its data sheet.
 """
@@ -117,11 +118,23 @@ def with_links(cluster: Cluster, links: Sequence[Link]) -> Cluster:
 # Spec parsing
 
 SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100, H200), "
-              "MxNxGPU[-link], or a JSON file path")
+              "MxNxGPU[-link][@RATE] (RATE: the network between nodes, e.g. 25Gbps, 400Mbps, 12.5GB/s), "
+              "or a JSON file path")
+_RATE_UNITS = {"gbps": 1e9 / 8, "gbit": 1e9 / 8, "mbps": 1e6 / 8, "mbit": 1e6 / 8, "gb/s": 1e9, "mb/s": 1e6}
+
+
+def rate(text: str) -> float:
+    """Bytes/s of a rate such as `25Gbps`, `1gbit`, `400Mbps` or `12.5GB/s` (bits for bps/bit, bytes for B/s)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z/]+)", text.strip().lower())
+    if not m or m[2] not in _RATE_UNITS or float(m[1]) <= 0:
+        raise FasttError(f"bad rate {text!r}: expected a positive number and a unit, e.g. 25Gbps, 400Mbps, "
+                         "12.5GB/s")
+    return float(m[1]) * _RATE_UNITS[m[2]]
 
 
 def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
-    """The Cluster a spec names: cpu:N, cuda[:i,j], NxGPU[-link], MxNxGPU[-link], or a JSON file (see module doc)."""
+    """The Cluster a spec names: cpu:N, cuda[:i,j], NxGPU[-link], MxNxGPU[-link][@RATE], or a JSON file (see
+    module doc)."""
     if isinstance(spec, Cluster):
         return spec
     if isinstance(spec, os.PathLike):
@@ -133,9 +146,13 @@ def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
         return cpu_cluster(int(m[1] or 1))
     if m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", s):
         return cuda_cluster(None if m[1] is None else [int(i) for i in m[1].split(",")])
-    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x([a-z0-9-]+?)(?:-(nvlink|pcie))?", s)
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x([a-z0-9-]+?)(?:-(nvlink|pcie))?(?:@(.+))?", s)
     if m and m[3] in GPU_PRESETS:
-        return gpu_cluster(m[3], int(m[2]), nodes=int(m[1] or 1), link=m[4] or "nvlink")
+        if m[5] is not None and not m[1]:
+            raise FasttError(f"bad cluster spec {spec!r}: @RATE is the network between nodes, so it needs "
+                             "nodes (MxNxGPU@RATE, e.g. 2x4xA100@25Gbps)")
+        nic = None if m[5] is None else rate(m[5])
+        return gpu_cluster(m[3], int(m[2]), nodes=int(m[1] or 1), link=m[4] or "nvlink", nic=nic)
     if s.endswith(".json") or os.path.exists(spec):
         return from_json_file(spec)
     raise FasttError(f"bad cluster spec {spec!r}: expected {SPEC_FORMS}")
@@ -262,14 +279,15 @@ def _node_links(p: GpuPreset, gpus: Sequence[int], link: str, tag: str, links: l
         routes[i, j] = (outs[i], ins[j])
 
 
-def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink") -> Cluster:
+def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: float | None = None) -> Cluster:
     """A simulated cluster of `nodes` nodes with n `gpu` preset GPUs each (kind = the preset's name).
 
     Within a node GPUs talk over NVLink (V100: a link per ordered pair; A100/H100: NVSwitch, route = the
     sender's egress link then the receiver's ingress link) or over PCIe (route = sender's up-link then
     receiver's down-link to the host switch). Between nodes the route is (NIC out of the sending node, NIC in
     of the receiving node); the PCIe hop to the NIC is left out because it is faster than the NIC and is
-    assumed not to be the bottleneck.
+    assumed not to be the bottleneck. `nic` (bytes/s per direction) replaces the preset's InfiniBand NIC, e.g. for
+    Ethernet between nodes (its latency stays the preset's).
     """
     p = GPU_PRESETS.get(gpu.lower())
     if p is None or link not in ("nvlink", "pcie"):
@@ -285,13 +303,16 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink") -> Clust
         _node_links(p, range(k * n, (k + 1) * n), link, f"n{k}/" if multi else "", links, routes)
     if multi:
         nic_out = [len(links) + k for k in range(nodes)]
-        links += [Link(f"n{k}/nic-out", p.nic, NIC_LATENCY / 2) for k in range(nodes)]
+        bw = p.nic if nic is None else nic
+        links += [Link(f"n{k}/nic-out", bw, NIC_LATENCY / 2) for k in range(nodes)]
         nic_in = [len(links) + k for k in range(nodes)]
-        links += [Link(f"n{k}/nic-in", p.nic, NIC_LATENCY / 2) for k in range(nodes)]
+        links += [Link(f"n{k}/nic-in", bw, NIC_LATENCY / 2) for k in range(nodes)]
         for i, j in itertools.permutations(range(len(devices)), 2):
             if i // n != j // n:
                 routes[i, j] = (nic_out[i // n], nic_in[j // n])
     name = f"{nodes}x{n}x{p.name}-{link}" if multi else f"{n}x{p.name}-{link}"
+    if multi and nic is not None:
+        name += f"@{nic * 8 / 1e9:g}Gbps"
     return Cluster(name, devices, tuple(links), routes)
 
 
