@@ -217,10 +217,11 @@ def test_a_plan_that_does_not_fit_is_refused_before_running(tmp_path: Path) -> N
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31), replicas=st.sampled_from([1, 2]))
+@given(seed=st.integers(0, 2**31), replicas=st.sampled_from([1, 2, 4]))
 def test_any_valid_plan_finishes_and_trains_as_eager(seed: int, replicas: int) -> None:
     """Random placements and random topological orders (of the data-parallel graph too): every device waits only
-    for what it reads, so no plan deadlocks, and every plan trains as eager does."""
+    for what it reads, so no plan deadlocks, and every plan trains as eager does (with 4 replicas on 2 devices, a
+    device runs each update once for the replicas it runs: `duplicate_updates`)."""
     ref, ours = pair("mlp")
     s = random_plan(ours, replicas, random.Random(seed))
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)

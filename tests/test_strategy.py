@@ -119,3 +119,37 @@ def test_validation_is_linear_on_a_long_chain() -> None:
     names = [op.name for op in ops]
     s = Strategy("t", 2, {nm: i % 2 for i, nm in enumerate(names)}, (tuple(names[0::2]), tuple(names[1::2])), {})
     s.validate(OpGraph(ops=tuple(ops)))  # a quadratic check would take minutes here
+
+
+def test_a_device_runs_each_update_once() -> None:
+    """Gradient accumulation runs 2 replicas a device: each device applies each update once (the same mean
+    gradient on the same parameter), which saves the other copies' time; replica 0's copy always runs, and a
+    plan that leaves out every copy of an update, or replica 0's, is still refused."""
+    from fastt import zoo
+    from fastt.api import capture, simulate
+    from fastt.cluster import cluster
+    from fastt.graph import data_parallel_graph, replica_of
+    from fastt.plan import graph_for
+    from fastt.plan.basic import data_parallel
+
+    w = zoo.get("mlp")
+    g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
+    cl = cluster("4xV100")
+    s = data_parallel(g, cl, accumulate=2)
+    placed = graph_for(g, s)
+    updates = [op for op in placed.ops if op.kind == UPDATE]
+    assert len(updates) == 4 * len(g.of_kind(UPDATE))  # one per device
+    assert {replica_of(op.name) for op in updates} == {0, 2, 4, 6}  # each device's first replica
+    s.validate(placed)
+    every = data_parallel_graph(g, 8)  # every copy placed, as before: valid, and slower by the copies' time
+    device = {op.name: replica_of(op.name) // 2 for op in every.ops if op.kind not in ("param", "state", "buffer",
+                                                                                       "allreduce")}
+    order = [[n for n in device if device[n] == d] for d in range(4)]
+    full = Strategy("all", 4, device, order, s.holders, replicas=8)
+    assert simulate(g, full, cl).iteration_s > simulate(g, s, cl).iteration_s
+    first = next(op.name for op in every.ops if op.kind == UPDATE and replica_of(op.name) == 0)
+    for gone in ([first], [op.name for op in every.ops if op.kind == UPDATE and op.name.endswith(first[3:])]):
+        bad = Strategy("bad", 4, {k: v for k, v in device.items() if k not in gone},
+                       [[n for n in o if n not in gone] for o in order], s.holders, replicas=8)
+        with pytest.raises(FasttError, match="missing from placement"):
+            bad.validate(graph_for(g, bad))

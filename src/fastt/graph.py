@@ -8,7 +8,7 @@ and refer to their producers by index.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -206,3 +206,43 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
             where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates))
     # fx stays: replicated ops keep their head node, whose shapes (at batch/n) split rules read.
     return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n, fx=sub.fx)
+
+
+def base_name(name: str) -> str:
+    """The op of the captured step that a replica's copy `r{k}/name` copies (`name` itself otherwise)."""
+    head, sep, rest = name.partition("/")
+    return rest if sep and head[:1] == "r" and head[1:].isdigit() else name
+
+
+def duplicate_updates(g: OpGraph, device_of: Sequence[int]) -> set[int]:
+    """The updates a device need not run: copies of an update that a lower replica's copy already applies on
+    the same device (the same mean gradient on the same parameter: identical results). Replica 0's copies, and
+    updates another op reads (a gradient clip's norm), always run."""
+    seen: set[tuple[str, int]] = set()
+    out = set()
+    for i, op in enumerate(g.ops):
+        if op.kind == UPDATE:
+            key = (base_name(op.name), device_of[i])
+            if key in seen and replica_of(op.name) > 0 and not g.succs[i]:
+                out.add(i)
+            seen.add(key)
+    return out
+
+
+def without_unplaced_updates(g: OpGraph, placed: Mapping[str, int]) -> OpGraph:
+    """`g` without the copies of updates that a strategy leaves unplaced because `duplicate_updates` found them
+    (a copy is dropped only if it is not replica 0's, nothing reads it and another copy of it is placed)."""
+    if g.replicas == 1:
+        return g
+    kept = {base_name(op.name) for op in g.ops if op.kind == UPDATE and op.name in placed}
+    gone = {i for i, op in enumerate(g.ops) if op.kind == UPDATE and op.name not in placed and not g.succs[i]
+            and replica_of(op.name) > 0 and base_name(op.name) in kept}
+    if not gone:
+        return g
+    new = {}
+    ops = []
+    for i, op in enumerate(g.ops):
+        if i not in gone:
+            new[i] = len(ops)
+            ops.append(replace(op, inputs=tuple(new[j] for j in op.inputs), updates=tuple(new[u] for u in op.updates)))
+    return replace(g, ops=tuple(ops))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from ..cluster import Cluster
 from ..errors import FasttError
-from ..graph import OpGraph, data_parallel_graph
+from ..graph import OpGraph, data_parallel_graph, without_unplaced_updates
 from ..split import split
 from ..strategy import Strategy
 from .baechi import m_etf, m_sct, m_topo
@@ -37,8 +37,9 @@ def get_planner(name: str) -> Planner:
 
 
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits."""
+    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less the
+    duplicate updates it leaves out (`graph.duplicate_updates`)."""
     g = data_parallel_graph(graph, strategy.replicas)
     for s in strategy.splits:
         g = split(g, s.op, s.dim, s.parts)
-    return g
+    return without_unplaced_updates(g, strategy.placement)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
-from ..graph import ALLREDUCE, RESIDENT, OpGraph
+from ..graph import ALLREDUCE, RESIDENT, OpGraph, duplicate_updates
 from ..strategy import Strategy
 
 
@@ -84,14 +84,16 @@ def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[
     (by default the graph's topological order).
 
     By default a resident is held on the devices of the ops that update it (so each holder applies the update);
-    one nobody updates is held where it is read.
+    one nobody updates is held where it is read. A device applies each update once, however many replicas it runs
+    (`duplicate_updates` are left out).
     """
     order: list[list[int]] = [[] for _ in range(n_devices)]
     placement: dict[str, int] = {}
     readers: dict[int, set[int]] = {}
     writers: dict[int, set[int]] = {}
+    skip = duplicate_updates(g, device_of)
     for i, op in enumerate(g.ops):
-        if op.kind in RESIDENT or op.kind == ALLREDUCE:
+        if op.kind in RESIDENT or op.kind == ALLREDUCE or i in skip:
             continue
         d = int(device_of[i])
         placement[op.name] = d
