@@ -10,6 +10,7 @@ Usage:
   .venv/bin/python benchmarks/distributed.py            # everything (a few minutes on 2 cores)
   .venv/bin/python benchmarks/distributed.py --small    # what CI runs: mlp, few steps, no doc
   .venv/bin/python benchmarks/distributed.py --render   # only rewrite docs/distributed.md from the JSON
+  --out DIR: the folder the JSON is written to and read from (default out/)
 """
 
 from __future__ import annotations
@@ -131,9 +132,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--render", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the JSON (default: out/)")
     a = ap.parse_args()
     name = "distributed-small" if a.small else "distributed"
-    path = ROOT / "out" / f"{name}.json"
+    path = a.out / f"{name}.json"
     if not a.render:
         import torch
 
@@ -142,7 +144,7 @@ def main() -> None:
         for model, batch in models.items():
             print(f"distributed: {model}", file=sys.stderr)
             rows.append(rows_of(run(model, batch, 4 if a.small else 20)))
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"torch": f"torch {torch.__version__}", "rows": rows}, indent=1))
     data = json.loads(path.read_text())
     if not a.small:

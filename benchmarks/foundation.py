@@ -1,6 +1,7 @@
 """Runs the foundation benchmarks and writes their numbers to out/foundation.json and docs/foundation.md.
 
-Usage: .venv/bin/python benchmarks/foundation.py [--small]   (--small: what CI runs, a few seconds)
+Usage: .venv/bin/python benchmarks/foundation.py [--small] [--out DIR]
+  --small: what CI runs, a few seconds, no doc; --out: where the JSON goes (default out/)
 """
 
 from __future__ import annotations
@@ -24,20 +25,22 @@ def run(cmd: list[str]) -> tuple[dict, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="small sizes (CI); does not rewrite the doc")
+    ap.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the JSON (default: out/)")
     a = ap.parse_args()
     py = sys.executable
+    out = a.out.resolve()
     model, ops = ("mlp", 5_000) if a.small else ("bert-large", 50_000)
-    capture, _ = run([py, "benchmarks/capture_cost.py", "--model", model, "--out", "out/capture_cost.json"])
+    capture, _ = run([py, "benchmarks/capture_cost.py", "--model", model, "--out", str(out / "capture_cost.json")])
     sim, _ = run([py, "benchmarks/simulate_speed.py", "--ops", str(ops), "--devices", "8"])
     models = "mlp" if a.small else "vgg19,inception_v3,bert-large"
-    cmp_cmd = [str(ROOT / ".venv/bin/fastt"), "compare", "--model", models, "--cluster", "4xV100",
+    cmp_cmd = [py, "-m", "fastt.cli", "compare", "--model", models, "--cluster", "4xV100",
                "--planners", "single,dp", "--json"]
     compare, compare_s = run(cmp_cmd)
     result = {"capture": capture, "simulate": sim, "compare": compare, "compare_wall_s": compare_s}
-    (ROOT / "out").mkdir(exist_ok=True)
-    (ROOT / "out/foundation.json").write_text(json.dumps(result, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "foundation.json").write_text(json.dumps(result, indent=1))
     if not a.small:
-        (ROOT / "docs/foundation.md").write_text(render(result, " ".join(["fastt", *cmp_cmd[1:]])))
+        (ROOT / "docs/foundation.md").write_text(render(result, " ".join(["fastt", *cmp_cmd[3:]])))
     print(json.dumps({"capture_s": capture["total_s"], "rss_gib": capture["max_rss_gib"],
                       "simulate_s": sim["seconds"], "compare_wall_s": compare_s}))
 

@@ -4,6 +4,7 @@ Writes out/planners.json and docs/benchmarks.md (the table there is generated fr
 Usage:
   .venv/bin/python benchmarks/planners.py            # the full table (tens of minutes on 2 cores)
   .venv/bin/python benchmarks/planners.py --small    # what CI runs: two small models, two clusters, no doc
+  --out DIR: the folder the JSON is written to (and --render reads it from); default out/
 """
 
 from __future__ import annotations
@@ -129,14 +130,16 @@ Cases where `fastt` is not the fastest plan that fits:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--render", action="store_true", help="only rewrite docs/benchmarks.md from out/planners.json")
+    what = ap.add_mutually_exclusive_group()  # --small never writes the doc, --render only writes it
+    what.add_argument("--small", action="store_true")
+    what.add_argument("--render", action="store_true", help="only rewrite docs/benchmarks.md from planners.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the JSON (default: out/)")
     ap.add_argument("--models", default=",".join(zoo.NAMES))
     ap.add_argument("--clusters", default=CLUSTERS)
     ap.add_argument("--planners", default=",".join(PLANNERS))
     a = ap.parse_args()
     if a.render:
-        d = json.loads((ROOT / "out/planners.json").read_text())
+        d = json.loads((a.out / "planners.json").read_text())
         (ROOT / "docs/benchmarks.md").write_text(render(d["rows"], d["summary"], "benchmarks/planners.py"))
         return
     if a.small:
@@ -145,8 +148,8 @@ def main() -> None:
         models, clusters, size = a.models.split(","), a.clusters.split(","), "paper"
     rows = run(models, clusters, a.planners.split(","), size)
     summary = summarize(rows)
-    (ROOT / "out").mkdir(exist_ok=True)
-    out = ROOT / ("out/planners-small.json" if a.small else "out/planners.json")
+    a.out.mkdir(parents=True, exist_ok=True)
+    out = a.out / ("planners-small.json" if a.small else "planners.json")
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if not a.small:
         (ROOT / "docs/benchmarks.md").write_text(render(rows, summary, " ".join(["benchmarks/planners.py", *sys.argv[1:]])))

@@ -13,6 +13,7 @@ Usage:
   .venv/bin/python benchmarks/runtime.py            # everything (about 25 minutes on 2 cores)
   .venv/bin/python benchmarks/runtime.py --small    # what CI runs: small models, few steps, no doc
   .venv/bin/python benchmarks/runtime.py --render   # only rewrite docs/runtime.md from out/runtime.json
+  --out DIR: the folder the JSON is written to and read from (default out/)
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rewrite docs/runtime.md from out/runtime.json")
     ap.add_argument("--only", choices=["accuracy", "overhead"],
                     help="rerun this table alone (e.g. after a simulator change), keeping the others from the JSON")
+    ap.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the JSON (default: out/)")
     a = ap.parse_args()
     cmd = "python benchmarks/runtime.py"
-    path = ROOT / "out" / ("runtime-small.json" if a.small else "runtime.json")
+    path = a.out / ("runtime-small.json" if a.small else "runtime.json")
     if (a.only or a.render) and not path.is_file():
         sys.exit(f"{path} is missing: run `{cmd}` (everything) first")
     if a.only:
@@ -207,7 +209,7 @@ def main() -> None:
                "speed": speed(speed_models, steps + 12), "ceiling": ceiling(speed_models, 2 if a.small else 5),
                "accuracy": accuracy(zoo_models, steps // 2),
                "overhead": overhead(["mlp", "lenet"] if a.small else [m for m in zoo.NAMES if m != "gnmt"], steps)}
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
     out = json.loads(path.read_text())
     if not a.small:

@@ -218,7 +218,8 @@ def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
     for x in out["results"]:
         assert x["measured_iteration_s"] > 0
         if x["planner"] != "eager":
-            assert x["simulated_iteration_s"] > 0 and x["error"] is not None
+            sim, measured = x["simulated_iteration_s"], x["measured_iteration_s"]
+            assert sim > 0 and x["error"] == pytest.approx((sim - measured) / measured)
     assert out["max_param_rel_diff"] <= 1e-5
     bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--steps", "1", cwd=tmp_path)
     assert bad.returncode == 2 and "local runtime runs cpu:N" in bad.stderr

@@ -1,6 +1,7 @@
 """OS-DPOS (the `fastt` planner): splits that pay are kept, plans replay from JSON, never worse than its seeds."""
 
 import dataclasses
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -40,13 +41,26 @@ def test_fastt_never_slower_than_its_seeds() -> None:
     g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
     cl = fastt.cluster("2xV100")
     ours = fastt.simulate(g, fastt.plan(g, cl, "fastt"), cl).iteration_s
-    for p in PLANNERS:
-        assert ours <= fastt.simulate(g, PLANNERS[p](g, cl), cl).iteration_s
+    for p in PLANNERS.keys() - {"fastt"}:
+        assert ours <= fastt.simulate(g, PLANNERS[p](g, cl), cl).iteration_s, p
 
 
 def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
-    s = fastt.plan(alexnet, "4xV100", "fastt", budget_s=0.0)
+    """No budget: the starting plan, no split searched (here the search would keep one), in the time its seeds
+    take (a fraction of a second; the bound is generous for a loaded machine)."""
+    cl = fastt.cluster("2xV100")
+    assert os_dpos(alexnet, cl).splits, "with the default budget a split of alexnet pays on 2 GPUs"
+    t0 = time.perf_counter()
+    s = os_dpos(alexnet, cl, budget_s=0.0)
+    elapsed = time.perf_counter() - t0
+    assert not s.splits and elapsed < 2.0, elapsed
     s.validate(graph_for(alexnet, s))
+
+
+@pytest.mark.xfail(strict=True, reason="fastt.plan reads budget_s=0.0 as no budget given (`budget_s or "
+                   "DEFAULT_BUDGET_S` in api.plan) and searches for the default 6 s")
+def test_plan_passes_a_zero_budget_on(alexnet: fastt.OpGraph) -> None:
+    assert not fastt.plan(alexnet, "2xV100", "fastt", budget_s=0.0).splits
 
 
 @settings(max_examples=60, deadline=None)
