@@ -39,10 +39,12 @@ class Layer:
 
 @dataclass(frozen=True)
 class Layers:
-    """The layers of a step, in forward order, and each op's layer (`of[i]`, -1 for ops in no layer)."""
+    """The layers of a step, in forward order, each op's layer (`of[i]`, -1 for ops in no layer) and whether it
+    is a forward op (`forward[i]`: the loss or one of its ancestors)."""
 
     layers: tuple[Layer, ...]
     of: tuple[int, ...]
+    forward: tuple[bool, ...]
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -176,7 +178,8 @@ def _collect(graph: OpGraph, anchor: list[int], forward: Sequence[int]) -> Layer
         members = tuple(i for i, k in enumerate(of) if k == number[a])
         params = tuple(i for i in members if graph.ops[i].kind == PARAM)
         out.append(Layer(_name(graph, params), params, members))
-    return Layers(tuple(out), of)
+    fwd = set(forward)
+    return Layers(tuple(out), of, tuple(i in fwd for i in range(len(graph.ops))))
 
 
 def _name(graph: OpGraph, params: Sequence[int]) -> str:

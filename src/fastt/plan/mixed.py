@@ -1,0 +1,147 @@
+"""Mixed plans: the batch cut into shards, and each layer's shards placed by a device map of its own.
+
+A mixed plan runs the step as `replicate(step at batch/R, R)` (R shards, the replicated graph every runtime
+runs) and gives every layer (`fastt.layers`) a `Spread`: the devices its shards run on, shard k on
+`devices[k·m // R]`. What the spreads are decides the kind of parallelism (docs/design.md, "Mixed parallelism"):
+every layer on every device is data parallelism; a layer on one device is held once (its gradient a local sum,
+nothing crosses a link); on a node's devices it is replicated there only; layers on different nodes with R shards
+are a pipeline whose micro-batches are the shards. A parameter is held by the devices its layer's shards run on,
+each applies its update once (`graph.duplicate_updates`), and its gradient is allreduced among them only.
+
+The expert planners are spreads chosen as experts choose them:
+- `owt` (Krizhevsky's one weird trick): layers of convolutions and attention data-parallel, the other matrix
+  multiplications and embeddings each held once, spread over the devices by their work;
+- `table-wise` (TorchRec's table-wise sharding): each embedding table held once, spread by bytes, the rest DP;
+- `pipeline` (GPipe): a stage per node (or per device on one node), consecutive layers cut where the stages'
+  work is even, each stage data-parallel inside its node, the shards its micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cluster import Cluster
+from ..cost import op_times
+from ..graph import INPUT, UPDATE, OpGraph, base_name, data_parallel_graph, replica_of
+from ..layers import Layers, layers
+from ..strategy import Strategy
+from .common import strategy_from
+
+CONV = ("aten.convolution.default", "aten.convolution_backward.default")
+MATMUL = ("aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.linear.default")
+EMBEDDING = ("aten.embedding.default", "aten._embedding_bag.default", "aten.embedding_bag.default")
+MICRO_BATCHES = 4  # shards per device of a pipeline stage: GPipe's bubble is (stages-1)/(micro+stages-1)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The devices a layer's shards run on: shard k of R on `devices[k·len(devices) // R]`."""
+
+    devices: tuple[int, ...]
+
+    def device(self, shard: int, shards: int) -> int:
+        return self.devices[shard * len(self.devices) // shards]
+
+
+def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Sequence[Spread], found: Layers,
+                   planner: str) -> Strategy:
+    """The strategy running layer k's shards by `spreads[k]`, each device running its shards' forward ops one
+    shard after the other, then their backward ops, then the updates (GPipe's order: a stage passes a shard on as
+    soon as it is done with it). Ops in no layer (the batch, a clip's norm) go where their shard's first reader
+    is, or by data parallelism."""
+    n = len(cluster.devices)
+    g = data_parallel_graph(graph, shards)
+    everywhere = Spread(tuple(range(n)))
+    device = [0] * len(g.ops)
+    for i, op in enumerate(g.ops):
+        base = graph.index.get(base_name(op.name))
+        k = found.of[base] if base is not None else -1
+        device[i] = (spreads[k] if k >= 0 else everywhere).device(replica_of(op.name), shards)
+    for i, op in enumerate(g.ops):  # an input goes to the device of its first reader: nothing travels twice
+        if op.kind == INPUT and g.succs[i]:
+            device[i] = device[g.succs[i][0]]
+    start = [0] * len(g.ops)
+    for i, op in enumerate(g.ops):
+        base = graph.index.get(base_name(op.name))
+        forward = op.kind == INPUT or base is not None and found.forward[base]
+        phase = 2 if op.kind == UPDATE else 0 if forward else 1
+        start[i] = phase * shards + replica_of(op.name)
+    return strategy_from(g, planner, n, device, start=start, replicas=shards)
+
+
+def layer_work(graph: OpGraph, cluster: Cluster, found: Layers) -> np.ndarray:
+    """Seconds of each layer's ops on device 0 (roofline), for balancing."""
+    t = op_times(graph, cluster)[:, 0]
+    work = np.zeros(len(found))
+    for i, k in enumerate(found.of):
+        if k >= 0:
+            work[k] += t[i]
+    return work
+
+
+def _targets(graph: OpGraph, found: Layers, k: int) -> set[str]:
+    return {graph.ops[i].target for i in found.layers[k].ops}
+
+
+def _balanced(weights: Sequence[float], n: int) -> list[int]:
+    """A device per item, largest first onto the least loaded (LPT)."""
+    load = [0.0] * n
+    out = [0] * len(weights)
+    for k in sorted(range(len(weights)), key=lambda k: -weights[k]):
+        d = min(range(n), key=lambda d: (load[d], d))
+        out[k] = d
+        load[d] += weights[k]
+    return out
+
+
+def _held_once(graph: OpGraph, cluster: Cluster, found: Layers, chosen: list[int], weight: Sequence[float],
+               planner: str) -> Strategy | None:
+    """Layers `chosen` each on one device (balanced by `weight`), the others data-parallel over every device;
+    None when nothing is chosen or the batch does not split per device."""
+    n = len(cluster.devices)
+    if not chosen or graph.batch % n:
+        return None
+    everywhere = Spread(tuple(range(n)))
+    spreads = [everywhere] * len(found)
+    for k, d in zip(chosen, _balanced([weight[k] for k in chosen], n)):
+        spreads[k] = Spread((d,))
+    return mixed_strategy(graph, cluster, n, spreads, found, planner)
+
+
+def owt(graph: OpGraph, cluster: Cluster) -> Strategy | None:
+    """The one weird trick: convolutions and attention data-parallel, other matmuls and embeddings held once."""
+    found = layers(graph)
+    attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name or "attention" in layer.name}
+    chosen = [k for k in range(len(found)) if k not in attention and not _targets(graph, found, k) & set(CONV)
+              and _targets(graph, found, k) & {*MATMUL, *EMBEDDING}]
+    return _held_once(graph, cluster, found, chosen, layer_work(graph, cluster, found), "owt")
+
+
+def table_wise(graph: OpGraph, cluster: Cluster) -> Strategy | None:
+    """Each embedding table on one device (balanced by bytes), the rest data-parallel."""
+    found = layers(graph)
+    tables = [k for k in range(len(found)) if _targets(graph, found, k) & set(EMBEDDING)]
+    size = [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers]
+    return _held_once(graph, cluster, found, tables, size, "table-wise")
+
+
+def pipeline(graph: OpGraph, cluster: Cluster, micro: int = MICRO_BATCHES) -> Strategy | None:
+    """A stage per node (per device on one node), cut where the stages' work is even, each stage data-parallel
+    over its devices with `micro` shards a device; None when there is one device or the batch does not split."""
+    nodes = sorted({d.node for d in cluster.devices})
+    groups = ([tuple(i for i, d in enumerate(cluster.devices) if d.node == j) for j in nodes] if len(nodes) > 1
+              else [(i,) for i in range(len(cluster.devices))])
+    if len(groups) < 2 or len({len(s) for s in groups}) > 1:
+        return None
+    found = layers(graph)
+    shards = len(groups[0]) * micro
+    if graph.batch % shards or len(found) < len(groups):
+        return None
+    work = np.cumsum(layer_work(graph, cluster, found))
+    cut = [int(np.searchsorted(work, work[-1] * (s + 1) / len(groups))) for s in range(len(groups) - 1)]
+    stage = np.searchsorted(np.array(cut), np.arange(len(found)), side="right")
+    spreads = [Spread(groups[s]) for s in stage]
+    return mixed_strategy(graph, cluster, shards, spreads, found, "pipeline")

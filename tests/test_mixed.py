@@ -1,0 +1,80 @@
+"""Mixed plans (each layer's batch shards on devices of its own): the expert planners' plans validate, say what
+they hold where, and train as the plain one-device eager step does."""
+
+from __future__ import annotations
+
+import pytest
+from test_capture import fresh_batch
+from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 - fixture
+
+from fastt.api import capture, simulate
+from fastt.cluster import cluster
+from fastt.graph import PARAM
+from fastt.layers import layers
+from fastt.plan import graph_for
+from fastt.plan.mixed import owt, pipeline, table_wise
+from fastt.runtime import parallelize
+from fastt.runtime.reference import eager_reference_step
+
+
+def graph_of(name: str, size: str = "test"):
+    from fastt import zoo
+
+    w = zoo.get(name, size)
+    return capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name=name)
+
+
+def holders_by_layer(g, s) -> dict[str, set[int]]:
+    return {layer.name: {d for p in layer.params for d in s.holders[g.ops[p].name]} for layer in layers(g).layers}
+
+
+def test_owt_holds_vgg19s_fc_layers_once_and_convolutions_everywhere() -> None:
+    g = graph_of("vgg19", "paper")
+    s = owt(g, cluster("2x4xV100"))
+    held = holders_by_layer(g, s)
+    assert all(len(held[f"classifier.{k}"]) == 1 for k in (0, 3, 6))
+    assert len({d for k in (0, 3, 6) for d in held[f"classifier.{k}"]}) == 3  # spread over three devices
+    assert all(len(h) == 8 for name, h in held.items() if name.startswith("features"))
+    s.validate(graph_for(g, s))
+    assert simulate(g, s, cluster("2x4xV100")).fits
+
+
+def test_pipeline_cuts_the_layers_into_one_stage_per_node() -> None:
+    g = graph_of("bert-base", "paper")
+    cl = cluster("2x4xV100")
+    s = pipeline(g, cl)
+    held = holders_by_layer(g, s)
+    stages = [{d // 4 for d in h} for h in held.values()]
+    assert s.replicas == 16 and all(len(st) == 1 or name.startswith("model.bert.embeddings.word")
+                                    for st, name in zip(stages, held))
+    first = [next(iter(st)) for st, name in zip(stages, held) if len(st) == 1]
+    assert first == sorted(first) and set(first) == {0, 1}  # consecutive layers, both stages used
+    assert simulate(g, s, cl).fits
+
+
+def test_table_wise_puts_each_embedding_table_on_one_device() -> None:
+    g = graph_of("bert-base", "paper")
+    s = table_wise(g, cluster("4xV100"))
+    tables = [k for k, layer in enumerate(layers(g).layers) if "embeddings" in layer.name and
+              "LayerNorm" not in layer.name]
+    held = holders_by_layer(g, s)
+    names = [layers(g).layers[k].name for k in tables]
+    assert len(names) == 3 and all(len(held[n]) == 1 for n in names)
+    assert all(len(h) == 4 for n, h in held.items() if n not in names)
+    assert table_wise(graph_of("vgg19"), cluster("4xV100")) is None  # no tables
+
+
+@pytest.mark.parametrize(("name", "make"), [("mlp", owt), ("lenet", owt), ("mlp", pipeline),
+                                            ("transformer", pipeline), ("bert-base", table_wise)])
+def test_expert_plans_train_as_eager(name: str, make) -> None:
+    """3 SGD steps on cpu:2 equal the plain one-device eager step (rtol 1e-5)."""
+    ref, ours = pair(name)
+    g = capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
+    s = make(g, cluster("cpu:2"))
+    assert s is not None and len({d for p in g.of_kind(PARAM) for d in s.holders[g.ops[p].name]}) == 2
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)
+    for i in range(3):
+        batch = fresh_batch(ref, i)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, s.replicas)
+        step(*batch)
+    assert_same(ref, ours)
