@@ -196,19 +196,20 @@ def main() -> None:
         sys.exit(f"{path} is missing: run `{cmd}` (everything) first")
     if a.only:
         out = json.loads(path.read_text())
-        models = ["mlp", "lenet"] if a.small else list(zoo.NAMES)
+        models = ["mlp", "lenet"] if a.small else list(zoo.DISTINCT)
         out[a.only] = (accuracy(models, 2 if a.small else 10) if a.only == "accuracy" else
                        overhead([m for m in models if m != "gnmt"], 4 if a.small else 20))
         out["rerun"] = sorted({*out.get("rerun", []), a.only})
         path.write_text(json.dumps(out, indent=1))
     elif not a.render:
         speed_models = {"mlp": 64, "lenet": 64} if a.small else SPEED
-        zoo_models = ["mlp", "lenet"] if a.small else list(zoo.NAMES)
+        zoo_models = ["mlp", "lenet"] if a.small else list(zoo.DISTINCT)
         steps = 4 if a.small else 20
         out = {"machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}", "rerun": [],
                "speed": speed(speed_models, steps + 12), "ceiling": ceiling(speed_models, 2 if a.small else 5),
                "accuracy": accuracy(zoo_models, steps // 2),
-               "overhead": overhead(["mlp", "lenet"] if a.small else [m for m in zoo.NAMES if m != "gnmt"], steps)}
+               "overhead": overhead(["mlp", "lenet"] if a.small else [m for m in zoo.DISTINCT if m != "gnmt"],
+                                    steps)}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
     out = json.loads(path.read_text())

@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fastt.capture import capture_step
 from fastt.errors import FasttError
-from fastt.zoo import NAMES, Workload, default_batch, get
+from fastt.zoo import DISTINCT, NAMES, VARIANTS, Workload, default_batch, get
+from fastt.zoo.recommendation import CRITEO_KAGGLE_ROWS, EMBEDDING_DIM
 
 # Parameter counts at paper size, from the literature / reference implementations.
 PAPER_PARAMS: dict[str, float] = {
@@ -27,12 +28,16 @@ PAPER_PARAMS: dict[str, float] = {
     "transformer": 60.5e6,            # Transformer-base: 44.1M + tied 32000x512 embedding (65M with 37k vocab)
     "bert-base": 110e6,               # Devlin et al. 2019
     "bert-large": 340e6,              # Devlin et al. 2019
+    "bert-large-seq64": 340e6,        # BERT-large
     "gpt2": 124.4e6,                  # GPT-2 small
+    "gpt2-medium": 355e6,             # GPT-2 medium (354.8M in transformers; 345M in the GPT-2 paper)
+    "gpt2-large": 774e6,              # GPT-2 large (774.0M in transformers; 762M in the GPT-2 paper)
     "rnnlm": 66e6,                    # Zaremba et al. 2014, large PTB model
     "gnmt": 160e6,                    # MLPerf GNMT v2 (shared embedding)
     "mlp": 150.8e6,                   # our own: 1024-8192-8192-8192-1000
     "llama": 1.1e9,                   # TinyLlama-1.1B (Zhang et al. 2024)
     "distilbert-padded": 66e6,        # DistilBERT (Sanh et al. 2019), with its MLM head 67.0M
+    "dlrm": 33_762_577 * 16 + 475_985,  # DLRM's Criteo Kaggle config: its 26 tables' rows x 16, and the MLPs
 }
 
 HAS_DROPOUT = ("alexnet", "vgg19", "inception_v3", "transformer", "bert-base", "bert-large", "gpt2", "rnnlm",
@@ -66,7 +71,7 @@ def trace(w: Workload) -> torch.fx.GraphModule:
     return capture_step(w.model, w.loss_fn, w.optimizer, w.example_inputs).gm
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DISTINCT)
 def test_test_size_trains_fast(name: str) -> None:
     w = get(name)
     assert w.fake_mode is None and w.size == "test" and w.batch == default_batch(name)
@@ -97,17 +102,50 @@ def test_paper_size_is_fake_with_reference_param_count(name: str) -> None:
     assert abs(n_params(w) - ref) / ref < 0.02, f"{name}: {n_params(w):,} params, reference {ref:,.0f}"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DISTINCT)
 def test_test_size_traces(name: str) -> None:
     g = trace(get(name))
     assert len(g.graph.nodes) > 10
 
 
+# A variant's paper size is its base's graph with more or wider layers or another length: the same capture.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DISTINCT)
 def test_paper_size_traces(name: str) -> None:
     g = trace(get(name, "paper"))
     assert len(g.graph.nodes) > 10
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_a_variant_is_its_base_at_test_size_and_differs_at_paper_size(name: str) -> None:
+    base = VARIANTS[name]
+    w, b = get(name), get(base)
+    assert default_batch(name) == default_batch(base)
+    shapes = [[(n, p.shape) for n, p in x.model.named_parameters()] for x in (w, b)]
+    assert shapes[0] == shapes[1]
+    assert all(torch.equal(p, q) for p, q in zip(w.model.parameters(), b.model.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(w.example_inputs, b.example_inputs))
+    w, b = get(name, "paper"), get(base, "paper")
+    assert n_params(w) != n_params(b) or w.example_inputs[0].shape != b.example_inputs[0].shape
+
+
+def test_dlrm_paper_size_has_the_criteo_kaggle_tables() -> None:
+    w = get("dlrm", "paper")
+    tables = [t.weight.shape for t in w.model.tables]
+    assert tables == [torch.Size([n, EMBEDDING_DIM]) for n in CRITEO_KAGGLE_ROWS] and len(tables) == 26
+    assert [m.in_features for m in w.model.bottom if isinstance(m, torch.nn.Linear)] == [13, 512, 256, 64]
+    pairs = 27 * 26 // 2  # the dot products of the bottom MLP's output and the 26 embeddings, each pair once
+    assert [m.in_features for m in w.model.top if isinstance(m, torch.nn.Linear)] == [16 + pairs, 512, 256]
+    dense, sparse, clicks = w.example_inputs
+    assert dense.shape == (128, 13) and sparse.shape == (128, 26) and clicks.shape == (128,)
+
+
+def test_dlrm_test_size_batch_is_in_range() -> None:
+    w = get("dlrm")
+    _, sparse, clicks = w.example_inputs
+    rows = torch.tensor([t.num_embeddings for t in w.model.tables])
+    assert int(rows.max()) <= 256 and bool(((sparse >= 0) & (sparse < rows)).all())
+    assert set(clicks.tolist()) == {0, 1} and w.batch % 4 == 0
 
 
 @pytest.mark.parametrize("name", HAS_DROPOUT)

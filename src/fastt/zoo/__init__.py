@@ -1,11 +1,14 @@
-"""The model zoo: the training workloads of the FastT paper and two that people train today (a Llama, DistilBERT
-on padded batches), at a fast `test` size and the `paper` size.
+"""The model zoo: the training workloads of the FastT paper, two that people train today (a Llama, DistilBERT
+on padded batches) and three where mixed parallelism matters (DLRM's embedding tables, GPT-2 medium and large,
+which do not fit one 16 GB GPU with Adam), at a fast `test` size and the `paper` size.
 
 ``get(name, size)`` returns a :class:`Workload`: a model, its loss function, an optimizer over its parameters and
 an example batch. One training step is ``loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])``.
 At ``size="paper"`` everything is built by default inside a ``FakeTensorMode`` (kept as ``fake_mode``), so even
-BERT-large or VGG-19 cost no real memory and build in well under a second; tracing it with
-``make_fx(..., tracing_mode="fake")`` reuses that mode. Each builder's docstring documents its sizes and batch.
+BERT-large, GPT-2 large or DLRM's 2 GB of tables cost no real memory and build in well under a second; tracing
+it with ``make_fx(..., tracing_mode="fake")`` reuses that mode. Each builder's docstring documents its sizes
+and batch. A :data:`VARIANTS` model differs from another only at paper size; :data:`DISTINCT` leaves them
+out, for the tests that train every model at test size.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import torch
 from torch import nn
 
 from fastt.errors import FasttError
-from fastt.zoo import sequence, vision
+from fastt.zoo import recommendation, sequence, vision
 
 NAMES: tuple[str, ...] = ("lenet", "alexnet", "vgg19", "inception_v3", "resnet50", "resnet200", "transformer",
-                          "bert-base", "bert-large", "gpt2", "rnnlm", "gnmt", "mlp", "llama", "distilbert-padded")
+                          "bert-base", "bert-large", "bert-large-seq64", "gpt2", "gpt2-medium", "gpt2-large",
+                          "rnnlm", "gnmt", "mlp", "llama", "distilbert-padded", "dlrm")
+# variant -> the model whose test size it is (the same config, weights and batch): only the paper sizes differ
+VARIANTS: dict[str, str] = {"bert-large-seq64": "bert-large", "gpt2-medium": "gpt2", "gpt2-large": "gpt2"}
+DISTINCT: tuple[str, ...] = tuple(n for n in NAMES if n not in VARIANTS)  # one name per test-size computation
 SIZES: tuple[str, ...] = ("test", "paper")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 
@@ -49,12 +56,16 @@ _REGISTRY: dict[str, tuple[Builder, int, int]] = {
     "transformer": (sequence.transformer, 16, 64),
     "bert-base": (_hf("bert_base"), 16, 32),
     "bert-large": (_hf("bert_large"), 16, 32),
+    "bert-large-seq64": (_hf("bert_large_seq64"), 16, 32),
     "gpt2": (_hf("gpt2"), 16, 8),
+    "gpt2-medium": (_hf("gpt2_medium"), 16, 8),
+    "gpt2-large": (_hf("gpt2_large"), 16, 8),
     "rnnlm": (sequence.rnnlm, 64, 64),
     "gnmt": (sequence.gnmt, 64, 128),
     "mlp": (vision.mlp, 256, 256),
     "llama": (_hf("llama"), 16, 8),
     "distilbert-padded": (_hf("distilbert_padded"), 16, 32),
+    "dlrm": (recommendation.dlrm, 64, 128),
 }
 assert tuple(_REGISTRY) == NAMES
 
@@ -130,4 +141,4 @@ def get(name: str, size: str = "test", *, batch: int | None = None, optimizer: s
     return Workload(name, size, batch, model, loss_fn, opt, tuple(inputs), mode)
 
 
-__all__ = ["NAMES", "OPTIMIZERS", "SIZES", "Workload", "default_batch", "get"]
+__all__ = ["DISTINCT", "NAMES", "OPTIMIZERS", "SIZES", "VARIANTS", "Workload", "default_batch", "get"]

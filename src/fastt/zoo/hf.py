@@ -1,5 +1,5 @@
-"""Hugging Face models of the zoo (BERT-base, BERT-large, GPT-2 small, a Llama, DistilBERT on padded batches),
-built from a config with no download.
+"""Hugging Face models of the zoo (BERT-base, BERT-large at lengths 128 and 64, GPT-2 small, medium and large,
+a Llama, DistilBERT on padded batches), built from a config with no download.
 
 ``transformers`` is imported lazily inside the builders, so importing ``fastt.zoo`` stays fast and works without
 it. BERT and GPT-2 use ``attn_implementation="eager"`` (attention as plain matmul/softmax ops); the Llama and
@@ -67,16 +67,16 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise FasttError("the bert-base, bert-large, gpt2, llama and distilbert-padded zoo models need "
-                         "transformers: pip install 'fastt[zoo]'") from e
+        raise FasttError("the bert, gpt2, llama and distilbert-padded zoo models need transformers: "
+                         "pip install 'fastt[zoo]'") from e
     return transformers
 
 
-def _bert(size: str, batch: int, dropout: bool, large: bool) -> Built:
+def _bert(size: str, batch: int, dropout: bool, large: bool, length: int = 128) -> Built:
     tf = _transformers()
     p = 0.1 if dropout else 0.0
     if size == "paper":
-        hidden, layers, heads, length, vocab = (1024, 24, 16, 128, 30522) if large else (768, 12, 12, 128, 30522)
+        hidden, layers, heads, vocab = (1024, 24, 16, 30522) if large else (768, 12, 12, 30522)
     else:
         hidden, layers, heads, length, vocab = (256, 2, 4, 64, 2000)
     config = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
@@ -105,15 +105,19 @@ def bert_large(size: str, batch: int, dropout: bool) -> Built:
     return _bert(size, batch, dropout, large=True)
 
 
-def gpt2(size: str, batch: int, dropout: bool) -> Built:
-    """GPT-2 small (Radford et al. 2019): 12 layers, d_model 768, 12 heads, BPE vocabulary 50257, context 1024,
-    LM head tied to the token embedding (124.4M params), dropout 0.1. paper: length 1024, batch 8 (GPT-2's
-    512-sequence batches split over many devices; 8 x 1024 fits a 32 GB GPU). test: 2 layers, d_model 256,
-    4 heads, vocab 2000, length 64, batch 16. Input tokens[:, :-1], target tokens[:, 1:]."""
+def bert_large_seq64(size: str, batch: int, dropout: bool) -> Built:
+    """BERT-large at sequence length 64, FastT's memory case: paper: length 64, batch 32 (as bert-large's).
+    test: bert-large's (and so bert-base's) test size, the same computation."""
+    return _bert(size, batch, dropout, large=True, length=64)
+
+
+def _gpt2(size: str, batch: int, dropout: bool, d: int, layers: int, heads: int) -> Built:
+    """GPT2LMHeadModel with d_model `d`, `layers` layers and `heads` heads at paper size (BPE vocabulary
+    50257, length 1024), else the test size shared by every GPT-2 of the zoo."""
     tf = _transformers()
     p = 0.1 if dropout else 0.0
     if size == "paper":
-        d, layers, heads, length, vocab = 768, 12, 12, 1024, 50257
+        length, vocab = 1024, 50257
     else:
         d, layers, heads, length, vocab = 256, 2, 4, 64, 2000
     config = tf.GPT2Config(vocab_size=vocab, n_positions=max(length, 1024), n_embd=d, n_layer=layers,
@@ -123,6 +127,26 @@ def gpt2(size: str, batch: int, dropout: bool) -> Built:
     model = LogitsOnly(tf.GPT2LMHeadModel(config))
     tokens = torch.randint(0, vocab, (batch, length + 1))
     return model, cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def gpt2(size: str, batch: int, dropout: bool) -> Built:
+    """GPT-2 small (Radford et al. 2019): 12 layers, d_model 768, 12 heads, BPE vocabulary 50257, context
+    1024, LM head tied to the token embedding (124.4M params), dropout 0.1. paper: length 1024, batch 8
+    (GPT-2's 512-sequence batches split over many devices; 8 x 1024 fits a 32 GB GPU). test: 2 layers, d_model
+    256, 4 heads, vocab 2000, length 64, batch 16. Input tokens[:, :-1], target tokens[:, 1:]."""
+    return _gpt2(size, batch, dropout, 768, 12, 12)
+
+
+def gpt2_medium(size: str, batch: int, dropout: bool) -> Built:
+    """GPT-2 medium (Radford et al. 2019, the 345M model; 354.8M params counted once with the tied head):
+    24 layers, d_model 1024, 16 heads. paper: length 1024, batch 8, as gpt2's. test: gpt2's test size."""
+    return _gpt2(size, batch, dropout, 1024, 24, 16)
+
+
+def gpt2_large(size: str, batch: int, dropout: bool) -> Built:
+    """GPT-2 large (Radford et al. 2019, the 762M model; 774.0M params with the tied head): 36 layers,
+    d_model 1280, 20 heads. paper: length 1024, batch 8, as gpt2's. test: gpt2's test size."""
+    return _gpt2(size, batch, dropout, 1280, 36, 20)
 
 
 def llama(size: str, batch: int, dropout: bool) -> Built:
