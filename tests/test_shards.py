@@ -20,7 +20,7 @@ from fastt.cost import MeasuredCosts
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
-from fastt.runtime.distributed import _reads
+from fastt.runtime.distributed import reads
 from fastt.runtime.local import place
 from fastt.runtime.reference import batch_like
 from fastt.runtime.shards import Feed, input_roots, plan_feed, shard_of
@@ -35,8 +35,8 @@ def captured(name: str) -> tuple[fastt.OpGraph, tuple[torch.Tensor, ...]]:
 def feed_of(g: fastt.OpGraph, s: fastt.Strategy, n_dev: int) -> tuple[Feed, object, object]:
     placed = place(g, s, cluster(f"cpu:{n_dev}"), MeasuredCosts("cpu", 1))
     low, programs = placed.lowered, placed.programs
-    reads = [[(seg.replica, name) for seg in segs for name in _reads(low, programs, seg)] for segs in programs.devices]
-    return plan_feed(low, programs, reads), low, programs
+    read = [[(seg.replica, name) for seg in segs for name in reads(low, programs, seg)] for segs in programs.devices]
+    return plan_feed(low, programs, read), low, programs
 
 
 def delivered(feed: Feed, whole: list[torch.Tensor]) -> list[list[list[torch.Tensor | None]]]:
@@ -63,7 +63,7 @@ def test_every_rank_holds_the_rows_it_reads(seed: int, replicas: int, n_dev: int
     roots = input_roots(low, programs)
     for d, segs in enumerate(programs.devices):
         for seg in segs:
-            for name_ in _reads(low, programs, seg):
+            for name_ in reads(low, programs, seg):
                 assert all((seg.replica, i) in feed.held[d] for i in roots.get(name_, ())), (d, name_)
     whole = list(batch_like(inputs, seed % 7))
     b = whole[0].shape[0] // replicas

@@ -23,13 +23,14 @@ from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import (
     GATHER_SHAPES,
-    Collective,
+    Leaf,
+    ReduceCall,
     Wiring,
-    _pack,
-    _packed_size,
-    _reads,
-    _unpack,
     fit_gather,
+    pack,
+    packed_size,
+    reads,
+    unpack,
     wire,
 )
 from fastt.runtime.local import place, replica_mean
@@ -70,7 +71,7 @@ def test_every_read_is_delivered_in_time(seed: int, replicas: int, n_dev: int, n
                 for v in msg.values:
                     assert where[v][0] == msg.src and where[v][1] <= sent_after[m][1]
                 have.update(msg.values)
-            for n in _reads(low, programs, seg):
+            for n in reads(low, programs, seg):
                 src = where.get((seg.replica, n))
                 if src is not None and src[0] != d and n not in carried:
                     assert (seg.replica, n) in have, (d, i, n)
@@ -168,11 +169,11 @@ def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
     torch.manual_seed(0)
     xs = [torch.randn(3, 5), torch.randn(4, 6).t(), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(4, 6)[:, :3],
           None, torch.empty(0), torch.tensor([1, 2, 3]), torch.tensor([True, False, True]), torch.randn(7).double()]
-    leaves = [None if x is None else (x.shape, x.stride(), x.dtype) for x in xs]
-    leaves[3] = (xs[3].shape, (3, 1), xs[3].dtype)  # captured contiguous, arrives as a slice: re-laid out
-    buf = _pack(list(zip(xs, leaves)))
-    assert buf.dtype == torch.uint8 and buf.numel() == _packed_size(leaves)
-    out = _unpack(buf, leaves)
+    leaves = [None if x is None else Leaf.of(x) for x in xs]
+    leaves[3] = Leaf(xs[3].shape, (3, 1), xs[3].dtype)  # captured contiguous, arrives as a slice: re-laid out
+    buf = pack(list(zip(xs, leaves)))
+    assert buf.dtype == torch.uint8 and buf.numel() == packed_size(leaves)
+    out = unpack(buf, leaves)
     for x, y, leaf in zip(xs, out, leaves):
         if x is None:
             assert y is None
@@ -198,10 +199,10 @@ def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int,
         xs = [torch.randn(shape[::-1] if transposed else shape, dtype=dtype) for _ in range(replicas)]
         xs = [x.t() if transposed and x.dim() == 2 else x.permute(2, 1, 0) if transposed else x for x in xs]
         grads.append(xs)
-        leaves.append((xs[0].shape, xs[0].stride(), dtype))
+        leaves.append(Leaf(xs[0].shape, xs[0].stride(), dtype))
     names = tuple(f"g{j}" for j in range(len(chosen)))
     sources = tuple(tuple(data.draw(st.sampled_from(ranks)) for _ in range(replicas)) for _ in names)
-    col = Collective(ranks, (0,), names, sources, tuple(leaves))
+    col = ReduceCall(ranks, (0,), names, sources, tuple(leaves))
     envs = [{x: grads[j][k] for j, x in enumerate(names)} for k in range(replicas)]
     want = dict(zip(names, replica_mean([[grads[j][k] for j in range(len(names))] for k in range(replicas)])))
     for dtype_index in range(len(col.shards(ranks[0]))):

@@ -93,6 +93,16 @@ class Timeline:
     planner: str = ""
 
 
+class Fanout(NamedTuple):
+    """Where an op's output goes: to device `dst`, for its `consumers` there, `nbytes` of it, sent from `src`
+    (a holder of it; `src == dst`: already there)."""
+
+    dst: int
+    consumers: list[int]
+    nbytes: int
+    src: int
+
+
 @dataclass
 class _Plan:
     """The static structure the event loop walks: everything that does not depend on time."""
@@ -100,7 +110,7 @@ class _Plan:
     dev: list[int]                    # device of each placed op, -1 otherwise
     order: list[list[int]]            # per device, op indices in run order (sentinel -1 at the end)
     need: list[int]                   # inputs each placed op waits for (residents on its device excluded)
-    fanout: list[list[tuple]]         # op -> [(dst, consumers on dst, bytes, src)]; src == dst: already there
+    fanout: list[list[Fanout]]        # op -> where its output goes, in device order
     ar_cons: list[list[int]]          # op -> allreduces reading it
     ar_need: dict[int, int]           # allreduce -> inputs it waits for
     group: dict[int, tuple[int, ...]]  # allreduce -> its devices
@@ -315,7 +325,7 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[
         group[a] = held[a] = tuple(sorted(grp))
     routes, lat, bw = _route_tables(cluster)
     need, ar_cons, ar_need, edges, readers = _consumers(g, dev, held, nd)
-    fanout: list[list[tuple]] = [[] for _ in ops]
+    fanout: list[list[Fanout]] = [[] for _ in ops]
     for key, (cons, b) in edges.items():
         j, d = divmod(key, nd)
         have = held[j] or (dev[j],)
@@ -325,10 +335,10 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[
             src = have[0]
         else:
             src = min(have, key=lambda h: (lat[h][d] + b / bw[h][d], h))
-        fanout[j].append((d, cons, b, src))
+        fanout[j].append(Fanout(d, cons, b, src))
     for f in fanout:
         if len(f) > 1:
-            f.sort(key=lambda x: x[0])  # transfers of one op are requested in device order
+            f.sort(key=lambda x: x.dst)  # transfers of one op are requested in device order
     seeds = [(0.0, 0, r, -1, None) for r in sorted(holders) if fanout[r]]
     order = [[index[name] for name in names] + [-1] for names in strategy.order]
     ar_cost = {grp: _allreduce_cost(cluster, grp) for grp in set(group.values())}

@@ -1,0 +1,127 @@
+"""Orchestration: `parallelize` over a process group (`parallelize_distributed`): every rank captures and
+measures, rank 0 plans, every rank places and wires the same plan; and the whole batch of the ranks' shards
+(`whole_batch`)."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ...cluster import Cluster
+from ...errors import FasttError
+from ...graph import replicable
+from ...strategy import Strategy
+from ..local import place
+from ..shards import shard_of
+from ..tune import Tuner
+from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
+from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
+from .step import DistributedStep, check_same
+from .wiring import wire
+
+
+def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
+                            example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
+                            strategy: Strategy | None = None, cl: Cluster | None = None,
+                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3,
+                            tune: bool | Tuner = False,
+                            clip_grad_norm: float | None = None) -> DistributedStep:
+    """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
+    current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
+    inputs. Every rank captures the step and measures its op times (at once, so they include what the ranks
+    cost each other); rank 0 plans and sends the plan to all. `example_inputs` is a whole batch (`whole_batch`
+    makes one of the ranks' shards); training then passes each rank its shard (`DistributedStep`).
+
+    The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both
+    run `trial_steps` steps first, the model and optimizer restored after (0: no trial). `step.trial` has the
+    times. `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs
+    FastT's tuning loop in the first steps of training, as the local runtime does (`fastt.runtime.tune`); rank
+    0's tuner decides and logs."""
+    from ...api import capture, plan, simulate
+    from .. import measure_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    home = {t.device for t in [*model.parameters(), *example_inputs]}
+    if home != {device}:
+        raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, "
+                         f"not on this rank's device {device}: move them there first")
+    cl = cl or rank_cluster(device)
+    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
+                    clip_grad_norm=clip_grad_norm)
+    threads = torch.get_num_threads()
+    tuner = Tuner() if tune is True else tune or None
+    if strategy is None and tuner is not None and replicable(graph, world):
+        dp = plan(graph, cl, "dp")
+        strategy = dp if simulate(graph, dp, cl).fits else None
+    planned = strategy is None and planner == "fastt"
+    if strategy is None and planner != "fastt":
+        strategy = plan(graph, cl, planner)
+    batches = ([graph.batch // strategy.replicas] if strategy is not None and tuner is None else
+               [graph.batch] + ([graph.batch // world] if replicable(graph, world) else []))
+    costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
+    if strategy is None:
+        strategy = alone_on_rank0(lambda: plan(graph, cl, "fastt", measured=costs))
+    box = [strategy.to_json() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    strategy = Strategy.from_json(box[0])
+    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
+    if planned and tuner is None and trial_steps and world > 1 and replicable(graph, world):
+        dp = plan(graph, cl, "dp")
+        same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
+        if not same and simulate(graph, dp, cl, costs).fits:
+            rival = _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s)
+            mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
+            times = [_trial(s, mine, trial_steps) for s in (step, rival)]
+            step = step if times[0] <= times[1] else rival
+            step.trial = {"fastt_plan_s": times[0], "dp_s": times[1], "kept": step.strategy.planner}
+    return step
+
+
+def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
+                 tuner: Tuner | None = None) -> DistributedStep:
+    """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
+    placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
+    wiring = wire(placed.lowered, placed.programs)
+    check_same(wiring)
+    return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner)
+
+
+def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole batch that the ranks' shards make (rank 0's rows first), on every rank: one all_gather per
+    input. Every rank calls it, like a collective."""
+    out = []
+    for x in shard:
+        x = x.contiguous()
+        whole = torch.empty((dist.get_world_size() * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                            device=x.device)
+        dist.all_gather_single(whole, x)
+        out.append(whole)
+    return out
+
+
+def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> float:
+    """Median seconds of `steps` steps (after one warm-up) of `step`'s plan, timed on rank 0 between barriers;
+    every rank gets rank 0's time. The model and optimizer get their state back after (copies of them would be
+    other tensors to the step's check)."""
+    saved = copy.deepcopy((step.model.state_dict(), step.optimizer.state_dict()))
+    times = []
+    device = step.buffers.device
+    for _ in range(steps + 1):
+        synchronized(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(*batch)
+        dist.barrier()
+        times.append(synchronized(device) - t0)
+    step.model.load_state_dict(saved[0])
+    step.optimizer.load_state_dict(saved[1])
+    box = [statistics.median(times[1:])]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

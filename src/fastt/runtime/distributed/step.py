@@ -1,0 +1,282 @@
+"""The training step of one rank (`DistributedStep`): its shard of the batch in, the plan's messages run, the
+new state kept where it is read next; and how every rank takes rank 0's state (`sync_from_rank0`)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ... import guards
+from ...capture import bind, stepped
+from ...cluster import Cluster
+from ...cost import MeasuredCosts
+from ...errors import FasttError
+from ...graph import OpGraph
+from ...strategy import Strategy
+from ..local import Placed, place, replica_envs, replica_tables, weighted_loss
+from ..shards import Feed, Piece, plan_feed
+from ..tune import Tuner
+from .executor import Buffers, RankRun
+from .faults import DEFAULT_TIMEOUT_S, LostPeer, RankError, alone_on_rank0, lost, record_failure, wait_done
+from .groups import directions
+from .packing import Leaf, pack, packed_size, unpack
+from .wiring import Wiring, reads, wire
+
+
+class DistributedStep:
+    """One training step of this rank's share of a plan: `loss = step(*shard)`, every rank passing its shard
+    of the batch: rank r's B/world samples, rows [r·B/world, (r+1)·B/world) of the whole batch of B the step
+    was captured with (`fastt.runtime.shards`; in a data-parallel plan rank r's shard is replica r's share,
+    what `DistributedSampler` and a DataLoader of batch B/world give rank r). The rows a plan reads on another
+    rank travel there. Every rank may instead pass the same whole batch (nothing travels). The loss comes back
+    on rank 0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep
+    what their devices read."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
+                 wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,
+                 cluster: Cluster | None = None, costs: MeasuredCosts | None = None,
+                 tuner: Tuner | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = timedelta(seconds=timeout_s)
+        self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
+        # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and
+        # decisions are rank 0's).
+        self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner
+        # Later plans are compiled for what this one was (`rank_targets`: no rank touches another's GPU).
+        self.targets = placed.programs.targets
+        self._placed, self.wiring = placed, wiring
+        self.buffers = Buffers(wiring, self.rank, placed.programs.targets[self.rank])
+        self._feed: Feed | None = None
+
+    @property
+    def placed(self) -> Placed:
+        return self._placed
+
+    @placed.setter
+    def placed(self, placed: Placed) -> None:
+        """Run another plan from the next step on (the tuner's trial or roll-back): its messages are wired."""
+        same = placed.programs is self._placed.programs
+        self._placed = placed
+        if not same:
+            self.wiring = wire(placed.lowered, placed.programs)
+            self.buffers = Buffers(self.wiring, self.rank, placed.programs.targets[self.rank])
+            self._feed = None
+
+    @property
+    def feed(self) -> Feed:
+        """Which rows of the batch each rank holds, and those that travel (made when a shard first comes: a
+        batch that does not split into the ranks' shards can still run whole)."""
+        if self._feed is None:
+            low, programs = self.placed.lowered, self.placed.programs
+            read = [[(seg.replica, name) for seg in segs for name in reads(low, programs, seg)]
+                    for segs in programs.devices]
+            self._feed = plan_feed(low, programs, read)
+        return self._feed
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.placed.strategy
+
+    @property
+    def simulated_s(self) -> float:
+        return self.placed.simulated_s
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        low, programs = self.placed.lowered, self.placed.programs
+        step = low.step
+        whole = self.world == 1 or len(batch) > 0 and batch[0].shape[0] == step.batch * low.replicas
+        if whole:
+            step.check(self.model, self.optimizer, batch, low.replicas)
+            guards.check(step.gm, batch, low.replicas)
+        else:
+            with torch.no_grad(), self._failing():
+                shares, weights = self._fed(batch)
+        params, buffers, states, _, hypers = step.arguments(self.model, self.optimizer, batch)
+        envs = (replica_envs(low, programs, params, buffers, states, batch, hypers) if whole else
+                replica_tables(low, programs, params, buffers, states, shares, hypers, weights))
+        tuning = self.tuner is not None and self.tuner.active
+        run = RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
+                      [] if tuning else None)
+        with torch.no_grad():
+            for env in envs:
+                for name in low.prelude:  # a view of an input this rank does not hold is read nowhere here
+                    if all(a.name in env for a in programs.nodes[name].all_input_nodes):
+                        run.call(name, env)
+            with self._failing():
+                run.run()
+        tensors = [*params, *buffers, *(s for ss in states for s in ss)]
+        self._keep(envs, dict(zip(programs.placeholders, tensors)))
+        loss = weighted_loss(envs, programs) if self.rank == 0 else None
+        stepped(self.optimizer)
+        if tuning:
+            self._tune(time.perf_counter() - t0, run.timings)
+        return loss
+
+    def _keep(self, envs: list[dict], named: dict[str, torch.Tensor]) -> None:
+        """The step's new state into the model and optimizer (`named`: by placeholder): the slices other ranks
+        wrote into this rank's buffers, and the values this rank keeps."""
+        for c in self.wiring.merge[self.rank]:
+            torch.tensor_split(named[c.buffer], c.parts, c.dim)[c.index].copy_(envs[0][c.name])
+        for x, (k, value) in self.wiring.keep[self.rank].items():
+            new = envs[k][value]
+            target = named[x]
+            if isinstance(target, torch.nn.Parameter):
+                target.data = new
+            elif new is not target:
+                target.copy_(new)
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A failure of this rank (not a refused batch) is recorded as the job's and raised as a RankError."""
+        try:
+            yield
+        except FasttError:
+            raise
+        except Exception as e:
+            raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
+                                           else f"rank {self.rank}: {type(e).__name__}: {e}",
+                                           lost_peer=isinstance(e, LostPeer))) from e
+
+    def _fed(self, shard: Sequence[torch.Tensor]) -> tuple[list[list[torch.Tensor | None]], list[float]]:
+        """Per replica, the inputs this rank holds (None where it holds none) from its shard and the rows the
+        others send (`Feed`), and every replica's loss weight. A shard one rank refuses (its shape, a change
+        of the model or optimizer, a guard of a share it checks) is refused by every rank, nothing trained."""
+        low, feed, r = self.placed.lowered, self.feed, self.placed.lowered.replicas
+        why = _bad_shard(feed, shard)
+        if why:  # zeros of the right shape keep the exchange in step; every rank refuses below
+            shard = [torch.zeros((feed.shard, *sample), dtype=dtype, device=self.buffers.device)
+                     for sample, dtype in feed.leaves]
+        else:
+            try:  # the shard's shape is right: only the model and optimizer are left to check
+                probe = [x[:1].expand(feed.share, *x.shape[1:]) for x in shard]
+                low.step.check(self.model, self.optimizer, probe)
+            except FasttError as e:
+                why = str(e)
+        shares = feed.shares(self.rank, shard, self._exchange(feed, shard))
+        counts = [0.0] * r
+        for k in [k for k, c in enumerate(feed.checker) if c == self.rank and not why]:
+            try:
+                guards.check(low.step.gm, shares[k])
+            except FasttError as e:
+                why = f"replica {k}'s share: {e}" if r > 1 else str(e)
+                break
+            if low.weights.counts and r > 1:
+                counts[k] = float(low.weights.count(*shares[k]))
+        return shares, low.weights.weighed(self._agree(why, counts))
+
+    def _exchange(self, feed: Feed, shard: Sequence[torch.Tensor]) -> dict[Piece, torch.Tensor]:
+        """The rows of other ranks' shards this rank needs, received while it sends the rows others need from
+        its own: one message per direction, before any of the step's own (each direction keeps its order)."""
+        groups, device = directions(self.buffers.device), self.buffers.device
+        posted = []
+        for src, pieces in feed.receives(self.rank).items():
+            leaves = [Leaf(*feed.leaf(p)) for p in pieces]
+            buf = self.buffers.get(("feed", "in", src), packed_size(leaves))
+            posted.append((src, pieces, leaves, buf, dist.irecv(buf, src, group=groups[src, self.rank])))
+        sent = []
+        for dst, pieces in feed.sends(self.rank).items():
+            pairs = [(feed.rows(self.rank, shard[p.input], p.lo, p.hi), Leaf(*feed.leaf(p))) for p in pieces]
+            out = self.buffers.get(("feed", "out", dst), packed_size([leaf for _, leaf in pairs]))
+            buf = pack(pairs, out)
+            sent.append((dst, dist.isend(buf, dst, group=groups[self.rank, dst])))
+        received = {}
+        for src, pieces, leaves, buf, work in posted:
+            wait_done(work, self.timeout, device,
+                      lambda e, src=src: lost(src, "rows of the batch", e, self.timeout))
+            received.update(zip(pieces, unpack(buf, leaves)))
+        for dst, work in sent:
+            wait_done(work, self.timeout, device,
+                      lambda e, dst=dst: f"a send to rank {dst} failed ({type(e).__name__}: {e})")
+        return received
+
+    def _agree(self, why: str, counts: list[float]) -> list[float]:
+        """Every replica's count, from the rank that checks it (one all_gather); if any rank refused its shard
+        (`why`), every rank raises its reason."""
+        mine = torch.tensor([1.0 if why else 0.0, *counts], dtype=torch.float64, device=self.buffers.device)
+        everyone = torch.empty(self.world * mine.numel(), dtype=torch.float64, device=mine.device)
+        work = dist.all_gather_single(everyone, mine, async_op=True)
+        wait_done(work, self.timeout, mine.device,
+                  lambda e: f"a rank did not join the check of the batch's shards ({type(e).__name__}: {e})")
+        table = everyone.view(self.world, -1).tolist()
+        refused = [rank for rank, row in enumerate(table) if row[0]]
+        if refused:
+            whys: list = [None] * self.world
+            dist.all_gather_object(whys, why)
+            raise FasttError(f"rank {refused[0]} refused the batch: {whys[refused[0]]}")
+        return [table[c][1 + k] for k, c in enumerate(self.feed.checker)]
+
+    def _tune(self, seconds: float, timings: list) -> None:
+        """FastT's loop across the ranks: rank 0's tuner observes every rank's segment times and this step's
+        time (its own); when it switches plans (a trial or a roll-back), every rank places the same plan and
+        takes rank 0's model and optimizer state first, since the others only keep what their devices read."""
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, timings)
+
+        def observe() -> tuple:  # may replan, which takes rank 0 a while
+            before, segs = self.placed, self.placed.programs.devices
+            times = [(segs[d][i], d, s) for d, ts in enumerate(everyone) for i, s in ts]
+            self.tuner.observe(self, seconds, times)
+            changed = self.placed.strategy != before.strategy
+            return self.placed.strategy.to_json() if changed else None, self.tuner.active
+
+        box = [alone_on_rank0(observe)]
+        dist.broadcast_object_list(box, src=0)
+        switch, self.tuner.active = box[0]
+        if switch is not None:
+            self.switch(Strategy.from_json(switch), self.placed if self.rank == 0 else None)
+
+    def switch(self, strategy: Strategy, placed: Placed | None = None) -> None:
+        """Run `strategy` from the next step on. Every rank calls it with the same strategy (`placed`: this
+        rank's placement of it, if made already): it is placed and wired, and every rank takes rank 0's model
+        and optimizer state, since the others only kept what their devices read."""
+        if placed is None:
+            placed = place(self.graph, strategy, self.cluster, self.costs, self.targets)
+        self.placed = placed
+        check_same(self.wiring)
+        sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
+
+
+def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
+    """Why `shard` is not a shard of the step's batch ('' if it is)."""
+    want = [(feed.shard, *sample) for sample, _ in feed.leaves]
+    got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in shard]
+    if got != want or any(x.dtype != dtype for x, (_, dtype) in zip(shard, feed.leaves)):
+        return (f"its shard's shapes are {got}, not {want} (its rows of the batch of "
+                f"{feed.shard * feed.world} over {feed.world} ranks; or pass the whole batch on every rank)")
+    return ""
+
+
+def check_same(wiring: Wiring) -> None:
+    """Every rank compiled the same messages (a digest of them, compared across ranks)."""
+    digests: list = [None] * dist.get_world_size()
+    digest = hashlib.sha1(repr((wiring.messages, wiring.collectives)).encode()).hexdigest()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise FasttError("the ranks compiled different programs: "
+                         "do all ranks build the same model and inputs?")
+
+
+def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
+    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer)."""
+    params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
+    tensors = [*params, *buffers, *(s for ss in states for s in ss)]
+    leaves = [Leaf(t.shape, torch.empty(t.shape, device="meta").stride(), t.dtype) for t in tensors]
+    buf = (pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else
+           torch.empty(packed_size(leaves), dtype=torch.uint8, device=tensors[0].device))
+    dist.broadcast(buf, src=0)
+    if dist.get_rank() == 0:
+        return
+    with torch.no_grad():
+        for t, new in zip(tensors, unpack(buf, leaves)):
+            if isinstance(t, torch.nn.Parameter):
+                t.data = new
+            else:
+                t.copy_(new)

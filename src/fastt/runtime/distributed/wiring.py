@@ -1,0 +1,290 @@
+"""Message compilation: every message and collective of a step, known before the first step (`wire`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import TreeSpec
+
+from ...errors import FasttError
+from ...lower import JOIN, PART, Lowered, Task
+from ...split import run_part
+from ..local import Programs, Segment
+from .collectives import Bounds, ReduceCall, frozen, order_collectives
+from .packing import Leaf
+
+Value = tuple[int, str]  # (replica, name): a value in one replica's table
+
+
+@dataclass(frozen=True)
+class Message:
+    """Values going from rank `src` to rank `dst` in one buffer."""
+
+    src: int
+    dst: int
+    values: tuple[Value, ...]
+
+
+class Layout(NamedTuple):
+    """How a value travels: its pytree spec and the `Leaf` of every tensor in it (None for a None)."""
+
+    spec: TreeSpec
+    leaves: tuple[Leaf | None, ...]
+
+
+class Chunk(NamedTuple):
+    """Slice `index` of `parts` along `dim` of buffer `buffer` (a split op's part updates it in place), named
+    `name` while it travels."""
+
+    buffer: str
+    name: str
+    dim: int
+    index: int
+    parts: int
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """Every message and collective of a step. Per rank and segment: the collectives it starts before it (one
+    more entry: after the last segment), the messages it receives and the collectives it waits for before it,
+    the messages it sends after it; then the end-of-step messages and, per rank, the values it keeps from its
+    own replicas (placeholder name -> value)."""
+
+    messages: tuple[Message, ...]
+    recv_before: Bounds
+    reduce_before: Bounds
+    send_after: Bounds
+    final: tuple[int, ...]
+    keep: tuple[dict[str, Value], ...]
+    layouts: dict[Value, Layout]  # how each value that travels is laid out
+    # Per rank: chunks of buffers its split ops wrote, to name before the end, and chunks others wrote, to
+    # copy into its buffer after the end.
+    chunks: tuple[tuple[Chunk, ...], ...] = ()
+    merge: tuple[tuple[Chunk, ...], ...] = ()
+    leaves: tuple[tuple[Leaf | None, ...], ...] = ()  # per message, the leaf of every tensor in its buffer
+    inbox: tuple[tuple[int, ...], ...] = ()  # per rank, the messages it receives, in the order they are sent
+    collectives: tuple[ReduceCall, ...] = ()  # in the order every rank starts them
+    start_before: Bounds = ()
+
+
+class _Need(NamedTuple):
+    """A value a rank needs from rank `src`, made by its segment `segment` (-1: before the step)."""
+
+    src: int
+    segment: int
+    value: Value
+
+
+class _Post:
+    """Builds the messages: a value goes to a rank once per step, and the values that leave one segment (or
+    the step's end) for one receiving point travel together in one buffer."""
+
+    def __init__(self, where: dict[Value, int], segment_of: dict[Value, tuple[int, int]],
+                 programs: Programs) -> None:
+        self.where, self.segment_of = where, segment_of
+        self.messages: list[Message] = []
+        self.sent: set[tuple[int, str, int]] = set()
+        self.send_after: list[list[list[int]]] = [[[] for _ in segs] for segs in programs.devices]
+
+    def need(self, k: int, name: str, d: int) -> _Need | None:
+        """Where replica k's `name` comes from when d needs it from another rank, else None."""
+        src = self.where.get((k, name))
+        if src is None or src == d or (k, name, d) in self.sent:
+            return None
+        self.sent.add((k, name, d))
+        return _Need(src, self.segment_of.get((k, name), (src, -1))[1], (k, name))
+
+    def post(self, d: int, needs: Sequence[_Need], at_end: bool = False) -> tuple[int, ...]:
+        """Messages to d carrying `needs`, one per source segment; sent after it or at the end."""
+        groups: dict[tuple[int, int], list] = {}
+        for src, seg, value in needs:
+            if value is not None:
+                groups.setdefault((src, -1 if at_end else seg), []).append(value)
+        out = []
+        for (src, seg), values in groups.items():
+            out.append(len(self.messages))
+            self.messages.append(Message(src, d, tuple(values)))
+            if not at_end:
+                self.send_after[src][seg].append(out[-1])
+        return tuple(out)
+
+
+def _produced(t: Task) -> tuple[str, ...]:
+    """The values a task writes into its replica's table."""
+    if t.kind == PART:
+        return (f"{t.head}#{t.part[1]}",)
+    if t.kind == JOIN:
+        return (t.head, *t.nodes)
+    return t.nodes
+
+
+def reads(low: Lowered, programs: Programs, seg: Segment) -> list[str]:
+    """The values a segment reads from its replica's table."""
+    if seg.fn is not None:
+        return list(seg.inputs)
+    names: list[str] = []
+    for t in seg.tasks:
+        if t.kind == PART:
+            names += [x.name for x in programs.nodes[t.head].all_input_nodes]
+        elif t.kind == JOIN:
+            parts = low.graph.ops[t.waits[0]].split[2]
+            names += [f"{t.head}#{k}" for k in range(parts)]
+        names += [x.name for n in t.nodes for x in programs.nodes[n].all_input_nodes]
+    return list(dict.fromkeys(names))
+
+
+def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
+             chunks: dict[str, Chunk]) -> dict[str, Layout | None]:
+    """Each value's `Layout`, from the captured graph's fake tensors (a split part: its head op on them)."""
+    vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
+    fake = detect_fake_mode([v for v in vals.values() if isinstance(v, torch.Tensor)])
+    out = {}
+    parts = {f"{t.head}#{t.part[1]}": t for prog in low.programs for t in prog if t.kind == PART}
+    for name in names:
+        if name in out:
+            continue
+        if name in chunks:
+            c = chunks[name]
+            v = torch.tensor_split(vals[c.buffer], c.parts, c.dim)[c.index]
+        elif name in parts:
+            t = parts[name]
+            n = programs.nodes[t.head]
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: vals[a.name])
+            with fake:
+                v = run_part(n.target, args, kwargs, *t.part)
+        else:
+            v = vals.get(name)
+        flat, spec = torch.utils._pytree.tree_flatten(v)
+        if not flat or not all(isinstance(x, torch.Tensor) or x is None for x in flat):
+            out[name] = None  # not sendable: only an error if some rank needs it
+        else:
+            out[name] = Layout(spec, tuple(None if x is None else Leaf.of(x) for x in flat))
+    return out
+
+
+def _located(programs: Programs) -> tuple[dict[Value, int], dict[Value, tuple[int, int]]]:
+    """Where each value is made: its rank, and its (rank, segment)."""
+    where: dict[Value, int] = {}
+    segment_of: dict[Value, tuple[int, int]] = {}
+    for d, segs in enumerate(programs.devices):
+        for i, seg in enumerate(segs):
+            for t in seg.tasks:
+                for name in _produced(t):
+                    where[t.replica, name] = d
+                    segment_of[t.replica, name] = (d, i)
+    return where, segment_of
+
+
+def wire(low: Lowered, programs: Programs) -> Wiring:
+    """All messages of a step of `programs`, one rank per device (see the package docstring)."""
+    where, segment_of = _located(programs)
+    carried = {name for names in low.allreduces.values() for name in names}
+    post = _Post(where, segment_of, programs)
+    recv_before, first_read = [], []
+    for d, segs in enumerate(programs.devices):
+        recvs, first = [], {}
+        for i, seg in enumerate(segs):
+            needs = [post.need(seg.replica, name, d) for name in reads(low, programs, seg)
+                     if name not in carried]
+            recvs.append(post.post(d, [x for x in needs if x]))
+            for a in seg.waits:
+                if a in low.allreduces:
+                    first.setdefault(a, i)
+        recv_before.append(tuple(recvs))
+        first_read.append(first)
+    final, keep, chunks, merge = _final(low, programs, where, post)
+    values = list(dict.fromkeys(v for m in post.messages for v in m.values))
+    info = {c.name: c for cs in chunks for c in cs}
+    grads = list(dict.fromkeys(name for names in low.allreduces.values() for name in names))
+    layouts = _layouts(programs, [name for _, name in values] + grads, low, info)
+    bad = [name for name in [*(name for _, name in values), *grads] if layouts.get(name) is None]
+    if bad:
+        raise FasttError(f"values {bad[:3]} cross devices but are not tensors: "
+                         "this plan cannot run distributed")
+    order = order_collectives(low, programs, post.send_after, segment_of, first_read, recv_before,
+                              {name: layouts[name].leaves[0] for name in grads})
+    travel = {(k, name): layouts[name] for k, name in values}
+    leaves = tuple(tuple(leaf for v in m.values for leaf in travel[v].leaves) for m in post.messages)
+    # A rank sends segment by segment, then its end-of-step messages: the order each direction carries them.
+    sent = [i for segs in post.send_after for ms in segs for i in ms] + final
+    inbox = tuple(tuple(i for i in sent if post.messages[i].dst == d) for d in range(len(programs.devices)))
+    return Wiring(tuple(post.messages), tuple(recv_before), order.reduce_before,
+                  frozen(post.send_after), tuple(final), keep,
+                  travel, chunks, merge, leaves, inbox, order.collectives, order.start_before)
+
+
+def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Post) -> tuple:
+    """End-of-step messages: the new state to the ranks that read it next step (and rank 0), the losses to
+    rank 0. Returns (message indices, per rank {placeholder: value} it keeps from its own replicas, per rank
+    the chunks it names, per rank the chunks it merges)."""
+    n_dev = len(programs.devices)
+    new, buffers, partial = _new_state(low, programs, where)
+    readers = _readers(low, programs, [*new, *partial])
+    needs: list[list] = [[] for _ in range(n_dev)]
+    keep: list[dict[str, Value]] = [{} for _ in range(n_dev)]
+    for x, value in new.items():
+        for d in sorted(readers[x]):
+            own = [k for k in range(low.replicas) if where.get((k, value)) == d]
+            # Every replica applies the same update, so a rank's own replica's new parameter is the same.
+            k = own[0] if own and x not in buffers else 0
+            keep[d][x] = (k, value)
+            needs[d].append(post.need(k, value, d))
+    chunks: list[list[Chunk]] = [[] for _ in range(n_dev)]
+    merge: list[list[Chunk]] = [[] for _ in range(n_dev)]
+    for x, pieces in partial.items():  # each rank gets the slices the others wrote
+        for d, dim, k, parts in pieces:
+            piece = Chunk(x, f"{x}@{k}", dim, k, parts)
+            chunks[d].append(piece)
+            where[0, piece.name] = d
+            for r in sorted(readers[x]):
+                if r != d:
+                    needs[r].append(post.need(0, piece.name, r))
+                    merge[r].append(piece)
+    needs[0] += [post.need(k, programs.outputs[0], 0) for k in range(low.replicas)]
+    final = [m for d in range(n_dev) for m in post.post(d, [x for x in needs[d] if x], at_end=True)]
+    return final, tuple(keep), tuple(map(tuple, chunks)), tuple(map(tuple, merge))
+
+
+def _new_state(low: Lowered, programs: Programs,
+               where: dict[Value, int]) -> tuple[dict[str, str], tuple[str, ...], dict[str, list]]:
+    """The step's new state: (placeholder -> the value that is its new value, the buffers' placeholders, the
+    buffers replica 0 updates slice by slice -> (device, dim, k, parts) per slice). A buffer updated whole is
+    its own new value, written in place on the device that `where` then says holds it."""
+    step, out = low.step, programs.outputs
+    n, n_buf = len(step.param_names), len(step.buffer_names)
+    ph = programs.placeholders
+    params, buffers = ph[:n], ph[n:n + n_buf]
+    states = ph[n + n_buf:n + n_buf + len(out) - 1 - 2 * n]
+    new = dict(zip(params, out[1 + n:1 + 2 * n])) | dict(zip(states, out[1 + 2 * n:]))
+    partial: dict[str, list[tuple[int, int, int, int]]] = {}
+    for x, d, region in programs.writeback:
+        if region is not None:
+            partial.setdefault(x, []).append((d, *region))
+    for x, d, region in programs.writeback:
+        if x in buffers and x not in partial:
+            new[x] = x
+            where[0, x] = d
+    return new, buffers, partial
+
+
+def _readers(low: Lowered, programs: Programs, names: Sequence[str]) -> dict[str, set[int]]:
+    """The ranks that read each of `names` (placeholders) in a step, rank 0 always."""
+    nodes = programs.nodes
+    # Tasks read a parameter itself or through a view of it made before the step (the prelude).
+    root: dict[str, str] = {}
+    for name in low.prelude:
+        if nodes[name].op == "get_attr":  # a constant: every rank holds it, nobody updates it
+            continue
+        base = nodes[name].all_input_nodes[0].name
+        root[name] = root.get(base, base)
+    readers: dict[str, set[int]] = {x: {0} for x in names}
+    for d, segs in enumerate(programs.devices):
+        for seg in segs:
+            for name in reads(low, programs, seg):
+                if root.get(name, name) in readers:
+                    readers[root.get(name, name)].add(d)
+    return readers
