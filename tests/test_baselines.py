@@ -17,9 +17,10 @@ from fastt import zoo
 from fastt.cluster import Cluster, Device, Link
 from fastt.graph import BUFFER, COMPUTE, INPUT, PARAM, RESIDENT, STATE, UPDATE, Op, OpGraph, replicate
 from fastt.plan import baechi
-from fastt.plan.baechi import Schedule, favorite_children, m_etf, m_sct, m_topo
+from fastt.plan.baechi import favorite_children, m_etf, m_sct, m_topo
 from fastt.plan.common import PlanCosts, memory_of, plan_costs
-from fastt.plan.heft import Slots, heft, heft_schedule
+from fastt.plan.heft import heft, heft_schedule
+from fastt.plan.schedule import Slots
 from fastt.simulate import simulate
 from fastt.strategy import Strategy
 
@@ -122,10 +123,10 @@ def test_m_sct_favorite_child() -> None:
     g = dag({"a": {}, "c": {"a": 1}, "b": {"a": 100}})
     cl = mesh(2)
     costs = costs_of(g, cl, {"a": [1, 1], "b": [1, 1], "c": [1, 1]})
-    assert favorite_children(Schedule(g, cl, costs)) == [2, -1, -1]
+    assert favorite_children(g, costs) == [2, -1, -1]
     assert m_etf(g, cl, costs).order[0] == ("a", "c", "b")
     assert m_sct(g, cl, costs).order[0] == ("a", "b", "c")
-    assert favorite_children(Schedule(g, mesh(1), costs_of(g, mesh(1), {"a": [1], "b": [1], "c": [1]}))) == [-1] * 3
+    assert favorite_children(g, costs_of(g, mesh(1), {"a": [1], "b": [1], "c": [1]})) == [-1] * 3
 
 
 def test_m_sct_greedy_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,12 +135,12 @@ def test_m_sct_greedy_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     g = dag({"a": {}, "b": {}, "c": {"a": 5, "b": 9}, "d": {"a": 7}})
     cl = mesh(2)
     costs = costs_of(g, cl, {op.name: [1, 1] for op in g.ops})
-    assert favorite_children(Schedule(g, cl, costs)) == [3, 2, -1, -1]
+    assert favorite_children(g, costs) == [3, 2, -1, -1]
 
 
 def test_m_sct_favorites_are_one_to_one() -> None:
     cl = mesh(3)
-    fav = favorite_children(Schedule(CLASSIC, cl, costs_of(CLASSIC, cl, CLASSIC_W)))
+    fav = favorite_children(CLASSIC, costs_of(CLASSIC, cl, CLASSIC_W))
     children = [c for c in fav if c >= 0]
     assert children and len(children) == len(set(children))
     for p, c in enumerate(fav):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -13,6 +12,8 @@ from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
 from ..graph import ALLREDUCE, RESIDENT, OpGraph, duplicate_updates
 from ..strategy import Strategy
+
+_PROBE = float(2**30)  # bytes of the transfer the per-byte slope is read off
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,20 @@ class PlanCosts:
 
     @cached_property
     def inv_bandwidth(self) -> np.ndarray:
-        """inv_bandwidth[s, d]: seconds per byte from s to d, so transfer = latency + bytes · inv_bandwidth."""
+        """inv_bandwidth[s, d]: seconds per byte from s to d, so transfer = latency + bytes · inv_bandwidth.
+
+        Read off a transfer of _PROBE bytes: the latency is some 10^5 times one byte's time, so the difference of
+        a one-byte transfer and an empty one would lose about five of the slope's digits."""
         n = len(self.cluster.devices)
-        return np.array([[self.transfer(s, d, 1.0) - self.transfer(s, d, 0.0) for d in range(n)] for s in range(n)])
+        lat = self.latency
+        return np.array([[(self.transfer(s, d, _PROBE) - lat[s, d]) / _PROBE for d in range(n)] for s in range(n)])
+
+    def mean_transfer(self) -> tuple[float, float]:
+        """(latency, seconds per byte) of a transfer averaged over ordered pairs of distinct devices."""
+        n = len(self.cluster.devices)
+        if n < 2:
+            return 0.0, 0.0
+        return float(self.latency.sum()) / (n * (n - 1)), float(self.inv_bandwidth.sum()) / (n * (n - 1))
 
     def max_transfer(self, nbytes: float) -> float:
         """The slowest transfer of nbytes between two distinct devices (0 on one device)."""
@@ -111,36 +123,3 @@ def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[
     return Strategy(planner=planner, n_devices=n_devices, placement=placement,
                     order=tuple(tuple(g.ops[i].name for i in o) for o in order), holders=holders,
                     replicas=replicas)
-
-
-class Slots:
-    """One device's busy time as sorted, disjoint blocks, for insertion-based scheduling.
-
-    Ops that touch are merged into one block, so the gap search only visits real gaps (a loaded device is
-    mostly back-to-back ops, and scanning them one by one made HEFT quadratic on large graphs).
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-
-    def earliest(self, ready: float, dur: float) -> tuple[float, int]:
-        """The first start >= ready where `dur` seconds fit, and the position to insert the interval at."""
-        k = bisect.bisect_right(self.ends, ready)  # intervals before k end by `ready`
-        t = ready
-        while k < len(self.starts) and t + dur > self.starts[k]:
-            t = max(ready, self.ends[k])
-            k += 1
-        return t, k
-
-    def add(self, k: int, start: float, end: float) -> None:
-        """Mark [start, end] busy; k is the position `earliest` returned for it."""
-        starts, ends = self.starts, self.ends
-        if k < len(starts) and starts[k] == end:
-            starts[k] = start
-        else:
-            starts.insert(k, start)
-            ends.insert(k, end)
-        if k and ends[k - 1] == start:
-            ends[k - 1] = ends.pop(k)
-            starts.pop(k)
