@@ -18,17 +18,27 @@ The expert planners are spreads chosen as experts choose them:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..cluster import Cluster
-from ..cost import op_times
-from ..graph import INPUT, UPDATE, OpGraph, base_name, data_parallel_graph, replica_of
+from ..cost import MeasuredCosts, op_times
+from ..graph import (
+    INPUT,
+    UPDATE,
+    OpGraph,
+    base_name,
+    data_parallel_graph,
+    replica_of,
+    without_unplaced_updates,
+)
 from ..layers import Layers, layers
 from ..strategy import Strategy
-from .common import strategy_from
+from .common import plan_costs, strategy_from
+from .schedule import Choice, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
 MATMUL = ("aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.linear.default")
@@ -47,11 +57,11 @@ class Spread:
 
 
 def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Sequence[Spread], found: Layers,
-                   planner: str) -> Strategy:
-    """The strategy running layer k's shards by `spreads[k]`, each device running its shards' forward ops one
-    shard after the other, then their backward ops, then the updates (GPipe's order: a stage passes a shard on as
-    soon as it is done with it). Ops in no layer (the batch, a clip's norm) go where their shard's first reader
-    is, or by data parallelism."""
+                   planner: str, measured: MeasuredCosts | None = None, gpipe: bool = False) -> Strategy:
+    """The strategy running layer k's shards by `spreads[k]`, ordered by list scheduling (`ordered`) or, for a
+    pipeline, in GPipe's order (`_gpipe_start`: upward ranks put a shard's backward before the next shard's
+    forward). Ops in no layer (the batch, a clip's norm) go where their shard's first reader is, or by data
+    parallelism."""
     n = len(cluster.devices)
     g = data_parallel_graph(graph, shards)
     everywhere = Spread(tuple(range(n)))
@@ -63,13 +73,71 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
     for i, op in enumerate(g.ops):  # an input goes to the device of its first reader: nothing travels twice
         if op.kind == INPUT and g.succs[i]:
             device[i] = device[g.succs[i][0]]
+    if gpipe:
+        return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards), replicas=shards)
+    return ordered(graph, strategy_from(g, planner, n, device, replicas=shards), cluster, measured)
+
+
+def _gpipe_start(graph: OpGraph, g: OpGraph, found: Layers, shards: int) -> list[int]:
+    """GPipe's order: every device runs its shards' forward ops shard after shard, then their backward ops, then
+    the updates, so a stage hands each shard on as soon as it is done with it."""
     start = [0] * len(g.ops)
     for i, op in enumerate(g.ops):
         base = graph.index.get(base_name(op.name))
         forward = op.kind == INPUT or base is not None and found.forward[base]
-        phase = 2 if op.kind == UPDATE else 0 if forward else 1
-        start[i] = phase * shards + replica_of(op.name)
-    return strategy_from(g, planner, n, device, start=start, replicas=shards)
+        start[i] = (2 if op.kind == UPDATE else 0 if forward else 1) * shards + replica_of(op.name)
+    return start
+
+
+class _Held:
+    """Where each resident lives when the plan has said so already (its layer's devices): nothing to decide."""
+
+    def __init__(self, homes: dict[int, list[int]]) -> None:
+        self.homes = homes
+
+    def where(self, r: int) -> list[int]:
+        return self.homes[r]
+
+    def place(self, i: int, d: int) -> None:
+        pass
+
+
+class _OnTheirDevices:
+    """The list-scheduling policy of a plan whose devices are chosen: ops by decreasing upward rank (their time
+    on their device plus the longest path after them, transfers included), each in the first idle gap of its
+    device once its inputs can be there."""
+
+    def __init__(self, rank: list[float], device: list[int]) -> None:
+        self.rank, self.device = rank, device
+        self.heap: list[tuple[float, int]] = []
+
+    def ready(self, sched: Schedule, i: int) -> None:
+        heapq.heappush(self.heap, (-self.rank[i], i))
+
+    def pick(self, sched: Schedule) -> Choice | None:
+        if not self.heap:
+            return None
+        _, i = heapq.heappop(self.heap)
+        d = self.device[i]
+        return Choice(i, d, sched.earliest(d, float(sched.arrival(i)[d]), float(sched.times[i, d])))
+
+
+def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
+    """`strategy` with each device's ops reordered by a list schedule of its placement (`_OnTheirDevices`), so
+    that a device runs first what others wait for: the shards a later pipeline stage needs, the FC layer's
+    shard a data-parallel device waits on. The placement and holders stay."""
+    g = without_unplaced_updates(data_parallel_graph(graph, strategy.replicas), strategy.placement)
+    device = [strategy.placement.get(op.name, -1) for op in g.ops]
+    costs = plan_costs(g, cluster, measured)
+    nbytes = edge_bytes(g)
+    here = [max(d, 0) for d in device]
+    rank = upward_rank(g, costs.times[np.arange(len(g.ops)), here],
+                       lambda i, s: 0.0 if here[i] == here[s] else costs.transfer(here[i], here[s], nbytes[i, s]))
+    homes = {g.index[name]: list(devs) for name, devs in strategy.holders.items()}
+    sched = list_schedule(Schedule(g, costs, _Held(homes), RingAllreduce()), _OnTheirDevices(rank, here))
+    order = [sorted((i for i, d in enumerate(device) if d == k), key=lambda i: (sched.start[i], i))
+             for k in range(strategy.n_devices)]
+    return replace(strategy, order=tuple(tuple(g.ops[i].name for i in o) for o in order))
 
 
 def layer_work(graph: OpGraph, cluster: Cluster, found: Layers) -> np.ndarray:
@@ -144,4 +212,4 @@ def pipeline(graph: OpGraph, cluster: Cluster, micro: int = MICRO_BATCHES) -> St
     cut = [int(np.searchsorted(work, work[-1] * (s + 1) / len(groups))) for s in range(len(groups) - 1)]
     stage = np.searchsorted(np.array(cut), np.arange(len(found)), side="right")
     spreads = [Spread(groups[s]) for s in stage]
-    return mixed_strategy(graph, cluster, shards, spreads, found, "pipeline")
+    return mixed_strategy(graph, cluster, shards, spreads, found, "pipeline", gpipe=True)
