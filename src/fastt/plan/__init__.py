@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from ..cluster import Cluster
 from ..errors import FasttError
-from ..graph import OpGraph, data_parallel_graph
-from ..split import split
+from ..graph import OpGraph
+from ..split import graph_for  # noqa: F401 - where it lived before split.py; tests import it from here
 from ..strategy import Strategy
 from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
@@ -35,10 +35,3 @@ def get_planner(name: str) -> Planner:
     except KeyError:
         raise FasttError(f"unknown planner '{name}': available planners are {', '.join(PLANNERS)}") from None
 
-
-def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits."""
-    g = data_parallel_graph(graph, strategy.replicas)
-    for s in strategy.splits:
-        g = split(g, s.op, s.dim, s.parts)
-    return g
