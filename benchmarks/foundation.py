@@ -78,7 +78,7 @@ A random {s['ops']}-op DAG on {s['devices']} devices: **{s['seconds']:.2f} s** (
 {rows}
 
 The lower bound is max(total work at the fastest device / devices, longest chain of ops that replication cannot
-divide); its proof is in the docstring of `fastt.api.lower_bound`. Single-device plans sit at 4x the bound because
+divide); its proof is in the docstring of `fastt.simulate.lower_bound`. Single-device plans sit at 4x the bound because
 the bound assumes all four devices share the work.
 """
 

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from fastt.api import plan
-from fastt.cli import load_workload
 from fastt.runtime.distributed import parallelize_distributed, rank_cluster
 from fastt.runtime.reference import batch_like, eager_reference_step, max_param_rel_diff
+from fastt.workload import load_workload
 
 SWITCH = {3: "single", 6: "dp"}  # step -> the plan every rank runs from that step on
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from test_training import params_close
 
-from fastt.cli import load_workload
 from fastt.runtime.distributed import parallelize_distributed, rank_cluster
 from fastt.runtime.reference import batch_like, eager_step, take_state
 from fastt.runtime.shards import shard_of
+from fastt.workload import load_workload
 
 STEPS = 20
 SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], object]] = {

@@ -19,13 +19,13 @@ from fastt import zoo
 from fastt.cluster import cluster
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
-from fastt.plan import PLANNERS, graph_for
+from fastt.plan import PLANNERS
 from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.runtime import StepError, parallelize
 from fastt.runtime.reference import eager_reference_step
-from fastt.split import split
+from fastt.split import graph_for, split
 from fastt.strategy import Split
 
 STEPS = 10

@@ -247,8 +247,8 @@ def test_a_split_gradient_under_data_parallelism_is_averaged() -> None:
     import dataclasses
 
     import fastt
-    from fastt.plan import graph_for
     from fastt.plan.dpos import dpos_strategy
+    from fastt.split import graph_for
     from fastt.strategy import Split
 
     def make() -> tuple:

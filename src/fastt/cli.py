@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -20,62 +19,21 @@ from tqdm import tqdm
 from . import api
 from .capture import check_clip
 from .cluster import Cluster, cluster, cuda_cluster
-from .cost import MeasuredCosts, calibrate_cpu
+from .cost import MeasuredCosts, calibrate_cpu, measure_step
 from .errors import FasttError
 from .graph import OpGraph
 from .launch import training_options
 from .plan import PLANNERS, get_planner
+from .report import format_run, write_gantt, write_trace
 from .simulate import inter_node_bytes
+from .split import graph_for
 from .strategy import Strategy
+from .workload import check_models, is_file_spec, load_workload
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, as for every other bad input
         raise FasttError(f"{message} (see `{self.prog} --help`)")
-
-
-def _is_file_spec(spec: str) -> bool:
-    return ":" in spec and spec.split(":")[0].endswith(".py")
-
-
-def check_models(specs: Sequence[str]) -> None:
-    """Fail fast, before any long capture, on a model that is neither in the zoo nor a file."""
-    from .zoo import NAMES
-
-    for spec in specs:
-        if _is_file_spec(spec):
-            if not Path(spec.rsplit(":", 1)[0]).is_file():
-                raise FasttError(f"model file {spec.rsplit(':', 1)[0]} not found")
-        elif spec not in NAMES:
-            raise FasttError(f"unknown model '{spec}': use a zoo model ({', '.join(NAMES)}) or path/to/file.py:function")
-
-
-def load_workload(spec: str, size: str, batch: int | None, optimizer: str) -> tuple:
-    """(name, model, loss_fn, optimizer, example_inputs) of a zoo model, or of `path/to/file.py:function`
-    returning (model, loss_fn, optimizer, example_inputs)."""
-    check_models([spec])
-    if _is_file_spec(spec):
-        return (Path(spec.rsplit(":", 1)[0]).stem, *call_file(spec))
-    from . import zoo
-
-    w = zoo.get(spec, size, batch=batch, optimizer=optimizer, dropout=False)
-    return spec, w.model, w.loss_fn, w.optimizer, w.example_inputs
-
-
-def call_file(spec: str) -> object:
-    """What the function of `path/to/file.py:function` returns; a FasttError naming the spec if it raises."""
-    path, fn_name = spec.rsplit(":", 1)
-    if not _is_file_spec(spec) or not Path(path).is_file():
-        raise FasttError(f"{spec}: not path/to/file.py:function of an existing file")
-    mod_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-        return getattr(module, fn_name)()
-    except FasttError:
-        raise
-    except Exception as e:
-        raise FasttError(f"{spec} failed: {type(e).__name__}: {e}".splitlines()[0]) from e
 
 
 def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
@@ -92,7 +50,7 @@ def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy, cost_fil
     _, model, _, opt, inputs = workload
     if any(getattr(x, "fake_mode", None) is not None or type(x).__name__ == "FakeTensor" for x in inputs):
         raise FasttError("measured costs need real tensors: use --size test (paper sizes are traced fake)")
-    from .runtime import busy_devices, measure_step
+    from .runtime.step import busy_devices
 
     costs = measure_step(graph, model, opt, inputs, [graph.batch // strategy.replicas],
                          max(1, torch.get_num_threads() // strategy.n_devices), busy_devices(strategy))
@@ -202,9 +160,6 @@ def cmd_plan(a: argparse.Namespace) -> None:
 
 
 def cmd_simulate(a: argparse.Namespace) -> None:
-    from .plan import graph_for
-    from .report import write_gantt, write_trace
-
     cl = cluster(a.cluster)
     if a.costs == "measured":
         if any(d.kind != "cpu" for d in cl.devices):
@@ -253,7 +208,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             get_planner(p)
     check_models([a.model])
     check_clip(a.clip_grad_norm)  # before torchrun starts the ranks
-    if a.data and not (_is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
+    if a.data and not (is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
         raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
     if a.launcher == "torchrun":
         out = run_torchrun(a, planners)
@@ -305,24 +260,6 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
             said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]
             raise FasttError("torchrun failed: " + ("; ".join(said) if said else r.stderr.strip()[-2000:]))
         return json.loads(out_path.read_text())
-
-
-def format_run(out: dict) -> str:
-    lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
-             "(median step time after the first)")]
-    for r in out["results"]:
-        sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
-        err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
-        lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
-                     f"simulated {sim} ms  {err}")
-    tuned = [r for r in out["results"] if r.get("tuning")]
-    if tuned:
-        runs = len(tuned[0]["tuning"])
-        lines.append(f"  {tuned[0]['planner']} tuned its plan in the first steps ({runs} plan(s) run); "
-                     "its time is the median after tuning")
-    if out["max_param_rel_diff"] is not None:
-        lines.append(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
-    return "\n".join(lines)
 
 
 def cmd_demo(a: argparse.Namespace) -> None:

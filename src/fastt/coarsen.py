@@ -7,19 +7,24 @@ Three groupings make ops worth placing:
   becomes one UPDATE op, as TensorFlow's ApplyAdam is one op;
 - an op that writes a buffer in place (batch-norm running stats, `copy_` into a buffer) records the buffer in
   `updates`, so holders of the buffer are known to the strategy.
+
+`capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened, able
+to capture itself again at a smaller batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
-from .capture import Step
+from .capture import Step, capture_step
 from .graph import BUFFER, COMPUTE, INPUT, PARAM, STATE, UPDATE, Op, OpGraph
 
 aten = torch.ops.aten
@@ -191,6 +196,27 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
     return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
                    fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
 
+
+
+def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                  example_inputs: Sequence[torch.Tensor], name: str = "step",
+                  clip_grad_norm: float | None = None) -> OpGraph:
+    """One whole training step (forward, backward, optimizer update) as an OpGraph.
+
+    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example input
+    is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
+    `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
+    """
+    example_inputs = tuple(example_inputs)
+
+    @functools.lru_cache(maxsize=8)
+    def recapture(batch: int) -> OpGraph:
+        sliced = tuple(x[:batch] for x in example_inputs)
+        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced, clip_grad_norm), name)
+        return dataclasses.replace(g, recapture=recapture)
+
+    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs, clip_grad_norm), name)
+    return dataclasses.replace(g, recapture=recapture)
 
 def _topo_groups(members: dict[str, list[Node]], group: dict[Node, str]) -> list[tuple[str, list[Node]]]:
     """Groups in an order where every group comes after the groups it reads (Kahn's algorithm)."""

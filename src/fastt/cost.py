@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .cluster import Cluster, Device, Link
 from .errors import FasttError
-from .graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph
+from .graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph, rebatch
 
 
 def roofline_time(op: Op, dev: Device) -> float:
@@ -155,6 +155,34 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
         raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback above)")
     return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.mean(v) for s, v in samples.items()})
 
+
+
+def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  example_inputs: Sequence[torch.Tensor], threads: int = 1, runs: int = 5,
+                  progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
+    """Measured op times of `graph` (captured from this model) on this CPU with `threads` threads, or on the
+    GPU the model is on.
+
+    The step runs on copies of the real parameters, buffers and optimizer state: the model is not changed.
+    Data parallelism places the step at batch/N: measure `rebatch(graph, b)` with the inputs sliced to b.
+    `concurrent` copies run at once (see `measure`): op times as when that many worker devices are busy.
+    """
+    inputs = tuple(x[:graph.batch] for x in example_inputs)
+    params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
+    kind = "cuda" if params and params[0].is_cuda else "cpu"
+    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads, runs=runs,
+                   progress=progress, concurrent=concurrent)
+
+
+def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
+                 concurrent: int) -> MeasuredCosts:
+    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape),
+    with `concurrent` copies running at once, on the device the model is on."""
+    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads, progress=False,
+                            concurrent=concurrent) for b in dict.fromkeys(batches)]
+    seconds = {k: v for t in tables for k, v in t.seconds.items()}
+    return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
 
 def fit_transfers(sizes: Sequence[float], seconds: Sequence[float], relative: bool = False) -> tuple[float, float]:
     """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b).

@@ -91,7 +91,7 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
     """Rank `rank`'s DataLoader of the Dataset `spec` returns: its shard of every batch of `batch` samples."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from .cli import call_file
+    from .workload import call_file
 
     data = call_file(spec)
     if not isinstance(data, Dataset):
@@ -108,9 +108,9 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
 
 def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
-    from .cli import load_workload
     from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
     from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
+    from .workload import load_workload
 
     rank, device = dist.get_rank(), rank_device()
 
@@ -230,7 +230,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    from .cli import format_run
+    from .report import format_run
     from .runtime.distributed import RankError, await_reports, record_failure, start_heartbeat
 
     if args.device == "cuda":

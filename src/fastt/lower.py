@@ -15,7 +15,7 @@ from .capture import Step
 from .errors import FasttError
 from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph, loss_weights, replica_of
 from .loss import ONE, ReplicaWeights
-from .plan import graph_for
+from .split import graph_for
 from .strategy import Strategy
 
 RUN, PART, JOIN = "run", "part", "join"

@@ -1,4 +1,5 @@
-"""Exports of a simulated Timeline: a Chrome/Perfetto trace and a Gantt chart PNG.
+"""Reports: exports of a simulated Timeline (a Chrome/Perfetto trace and a Gantt chart PNG), and the text of a
+real training run's results (`fastt run`, `python -m fastt.launch`).
 
 The trace has one process for devices (pid 0, one thread per device) and one for links (pid 1, one thread per
 link); a transfer appears on every link of its route, an allreduce on every link of its ring. Times are µs.
@@ -122,3 +123,22 @@ def collective_name(g: OpGraph, c: Collective) -> str:
 
 def _placed(timeline: Timeline) -> list[int]:
     return [int(i) for i in (timeline.device >= 0).nonzero()[0]]
+
+
+def format_run(out: dict) -> str:
+    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner."""
+    lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
+             "(median step time after the first)")]
+    for r in out["results"]:
+        sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
+        err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
+        lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
+                     f"simulated {sim} ms  {err}")
+    tuned = [r for r in out["results"] if r.get("tuning")]
+    if tuned:
+        runs = len(tuned[0]["tuning"])
+        lines.append(f"  {tuned[0]['planner']} tuned its plan in the first steps ({runs} plan(s) run); "
+                     "its time is the median after tuning")
+    if out["max_param_rel_diff"] is not None:
+        lines.append(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
+    return "\n".join(lines)

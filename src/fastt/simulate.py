@@ -20,7 +20,8 @@ The model, in full:
   allocations count before frees, so the peak is conservative.
 
 The event loop (`_run`) is the whole scheduler; `_prepare` turns graph, strategy and cluster into flat lists of ints
-so the loop only touches lists, and `_memory` replays allocations afterwards with numpy.
+so the loop only touches lists, and `_memory` replays allocations afterwards with numpy. `simulate_plan` simulates
+a strategy on the graph it was planned for (replicated and split as it says), with `lower_bound` beside.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from typing import NamedTuple
 import numpy as np
 
 from fastt.cluster import Cluster
+from fastt.cost import MeasuredCosts, op_times
 from fastt.errors import FasttError
-from fastt.graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph
+from fastt.graph import ALLREDUCE, COMPUTE, INPUT, RESIDENT, UPDATE, Op, OpGraph, chain_lengths
+from fastt.split import graph_for, splittable
 from fastt.strategy import Strategy
 
 
@@ -140,6 +143,40 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
     with _gc_paused():
         return _simulate(g, strategy, cluster, t, lower_bound_s, release or {})
 
+
+
+def simulate_plan(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: MeasuredCosts | None = None,
+                  release: Mapping[str, str] | None = None) -> Timeline:
+    """Simulate `strategy` for the step `graph` on `cluster`: op times measured where `measured` has them, else
+    the roofline estimates; the Timeline's `lower_bound_s` is `lower_bound` of the plain step."""
+    g = graph_for(graph, strategy)
+    times = op_times(g, cluster, measured)
+    lb = lower_bound(graph, op_times(graph, cluster, measured), len(cluster.devices))
+    return simulate(g, strategy, cluster, times, lower_bound_s=lb, release=release)
+
+
+def lower_bound(graph: OpGraph, times: np.ndarray, n_devices: int) -> float:
+    """A lower bound on the iteration time of any strategy fastt can produce for `graph`.
+
+    LB = max(W / D, C): W = Σ_ops min_d t[op, d], D = number of devices, C = the longest chain of ops that no
+    strategy divides (optimizer updates, parameter-only ops without a split rule), each at its fastest device.
+
+    Proof sketch. Every op, or every part of it after data-parallel replication, runs on some device; under the
+    roofline model the parts of an op never cost less in total than the whole (each part pays the launch overhead,
+    FLOPs add up, and each part reads at least its share of the bytes), so the devices together are busy at least
+    W, and one of the D devices at least W/D. Optimizer updates and ops that neither depend on the batch nor have
+    a split rule are never divided (replication copies them whole), and a chain of dependent ops runs one after
+    another, so the iteration lasts at least C.
+    Transfers only add time. With measured costs the sub-additivity is not guaranteed, and the bound is an
+    estimate.
+    """
+    fastest = times.min(axis=1) if times.size else np.zeros(len(graph.ops))
+    work = float(fastest.sum()) / max(n_devices, 1)
+    whole = [float(fastest[i]) if op.kind == UPDATE or (op.kind == COMPUTE and not op.batch
+                                                        and not splittable(op, graph)) else 0.0
+             for i, op in enumerate(graph.ops)]
+    chain = max(chain_lengths(graph, whole), default=0.0)
+    return max(work, chain)
 
 def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, lower_bound_s: float,
               release: Mapping[str, str]) -> Timeline:

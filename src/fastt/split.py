@@ -3,7 +3,8 @@
 `RULES` is the table: for each aten op, the named dimensions it splits along, each a `SplitSpec` saying which
 dim of each positional argument is sliced, and how each output is joined (concatenated, or summed when the split
 dim is reduced, as a weight gradient split along the batch is). `run_split` executes a rule on real tensors (what
-the runtime runs); `split` rewrites an OpGraph so that one op becomes `parts` sub-ops and a join.
+the runtime runs); `split` rewrites an OpGraph so that one op becomes `parts` sub-ops and a join; `graph_for` replays a Strategy's
+replication and splits.
 
 Batch norm in training mode is split along channels only: its statistics are taken over the batch, so parts of
 the batch would normalise with different means. `nll_loss_forward` with reduction="mean" (what cross-entropy
@@ -24,7 +25,8 @@ from torch.fx import GraphModule, Node
 
 from .coarsen import ALIAS
 from .errors import FasttError
-from .graph import COMPUTE, Op, OpGraph
+from .graph import COMPUTE, Op, OpGraph, data_parallel_graph, without_unplaced_updates
+from .strategy import Strategy
 
 aten = torch.ops.aten
 
@@ -449,3 +451,12 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     rest = tuple(_shifted(x, at, parts) for x in graph.ops[at + 1:])
     return OpGraph(ops=graph.ops[:at] + subs + (join_op,) + rest, name=graph.name, batch=graph.batch,
                    fx=graph.fx, replicas=graph.replicas, fx_nodes=graph.fx_nodes)
+
+
+def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
+    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less the
+    duplicate updates it leaves out (`graph.duplicate_updates`)."""
+    g = data_parallel_graph(graph, strategy.replicas)
+    for s in strategy.splits:
+        g = split(g, s.op, s.dim, s.parts)
+    return without_unplaced_updates(g, strategy.placement)

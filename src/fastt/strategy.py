@@ -108,7 +108,7 @@ class Strategy:
 
     def validate(self, g: OpGraph) -> None:
         """Raise FasttError naming the first problem that keeps this strategy from running `g` (the graph with
-        the strategy's replication and splits applied: see fastt.plan.graph_for)."""
+        the strategy's replication and splits applied: see fastt.split.graph_for)."""
         if g.replicas != self.replicas:
             raise FasttError(f"strategy is for {self.replicas} replica(s) but the graph has {g.replicas}; "
                              f"apply it to replicate(graph at batch/{self.replicas}, {self.replicas})")

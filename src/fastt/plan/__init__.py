@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from ..cluster import Cluster
 from ..errors import FasttError
-from ..graph import OpGraph, data_parallel_graph, without_unplaced_updates
-from ..split import split
+from ..graph import OpGraph
+from ..split import graph_for  # noqa: F401 - where it lived before split.py; tests import it from here
 from ..strategy import Strategy
 from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
@@ -34,12 +34,3 @@ def get_planner(name: str) -> Planner:
         return PLANNERS[name]
     except KeyError:
         raise FasttError(f"unknown planner '{name}': available planners are {', '.join(PLANNERS)}") from None
-
-
-def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less the
-    duplicate updates it leaves out (`graph.duplicate_updates`)."""
-    g = data_parallel_graph(graph, strategy.replicas)
-    for s in strategy.splits:
-        g = split(g, s.op, s.dim, s.parts)
-    return without_unplaced_updates(g, strategy.placement)

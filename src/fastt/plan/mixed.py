@@ -33,9 +33,9 @@ from ..graph import (
     base_name,
     data_parallel_graph,
     replica_of,
-    without_unplaced_updates,
 )
 from ..layers import Layers, layers
+from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
 from .schedule import Choice, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
@@ -126,7 +126,7 @@ def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: Meas
     """`strategy` with each device's ops reordered by a list schedule of its placement (`_OnTheirDevices`), so
     that a device runs first what others wait for: the shards a later pipeline stage needs, the FC layer's
     shard a data-parallel device waits on. The placement and holders stay."""
-    g = without_unplaced_updates(data_parallel_graph(graph, strategy.replicas), strategy.placement)
+    g = graph_for(graph, strategy)
     device = [strategy.placement.get(op.name, -1) for op in g.ops]
     costs = plan_costs(g, cluster, measured)
     nbytes = edge_bytes(g)

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..cluster import cluster, torch_device
-from . import parallelize
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
+from .step import parallelize
 from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)

@@ -32,12 +32,12 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from ..api import simulate
 from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import JOIN, PART, RUN, Lowered, Task, lower
+from ..simulate import simulate_plan
 from ..split import join, rule, run_part, slice_dims
 from ..strategy import Strategy
 
@@ -204,7 +204,7 @@ def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts,
     strategy that does not fit in device memory is refused."""
     low = lower(graph, strategy)
     programs = compile_programs(low, targets or [torch_device(dev) for dev in cl.devices])
-    tl = simulate(graph, strategy, cl, costs, release=release_points(low, programs))
+    tl = simulate_plan(graph, strategy, cl, costs, release=release_points(low, programs))
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
     return Placed(strategy, low, programs, tl.iteration_s)

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ..api import plan, simulate
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
+from ..plan.named import plan
+from ..simulate import simulate_plan
 from .local import Placed, place, release_points
 
 if TYPE_CHECKING:
-    from . import ParallelStep
+    from .step import PlacedStep
 
 
 def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluster) -> MeasuredCosts:
@@ -80,7 +81,7 @@ class Tuner:
     _timings: list = field(default_factory=list)
     _kept: tuple | None = None  # (placed, measured seconds) of the plan a trial is compared with
 
-    def observe(self, step: ParallelStep, seconds: float, timings: list) -> None:
+    def observe(self, step: PlacedStep, seconds: float, timings: list) -> None:
         """Called after every step while tuning, with the step's wall time and segment timings."""
         self._samples.append(seconds)
         self._timings += timings
@@ -118,12 +119,12 @@ class Tuner:
         self.log(f"tune: {_describe(placed)}: simulated {placed.simulated_s * 1e3:.1f} ms, measured "
                  f"{measured * 1e3:.1f} ms, {verdict}")
 
-    def _stop(self, step: ParallelStep, why: str) -> None:
+    def _stop(self, step: PlacedStep, why: str) -> None:
         """End tuning; the running plan's simulated time is recomputed with the refitted costs."""
         self.active = False
         placed = step.placed
-        simulated = simulate(step.graph, step.strategy, step.cluster, step.costs,
-                             release=release_points(placed.lowered, placed.programs)).iteration_s
+        simulated = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
+                                  release=release_points(placed.lowered, placed.programs)).iteration_s
         step.placed = replace(step.placed, simulated_s=simulated)
         self.log(f"tune: done ({why}); {_describe(step.placed)} simulated with the refitted costs: "
                  f"{simulated * 1e3:.1f} ms")

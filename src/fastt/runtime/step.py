@@ -1,0 +1,151 @@
+"""The local runtime's training step: `parallelize` captures, measures, plans and returns a `ParallelStep`.
+
+`PlacedStep` is what every runtime's step shares (the distributed runtime's `DistributedStep` too): the placed
+plan and what the tuner reads and replaces of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import guards
+from ..capture import stepped
+from ..cluster import Cluster, cluster, torch_device
+from ..coarsen import capture_graph
+from ..cost import MeasuredCosts, calibrate_cpu, measure_step
+from ..errors import FasttError
+from ..graph import OpGraph
+from ..lower import Lowered
+from ..plan.basic import data_parallel
+from ..strategy import Strategy
+from .decide import decide, tuner_of
+from .local import Placed, place, run_step
+from .tune import Tuner
+
+
+class PlacedStep:
+    """A training step that runs a placed plan (`placed`: an attribute, or a property whose setter rewires): the
+    plan, its programs and its simulated time, and what a `Tuner` reads to replan and place another plan."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    graph: OpGraph
+    cluster: Cluster
+    costs: MeasuredCosts
+    tuner: Tuner | None
+    placed: Placed
+    targets: Sequence[torch.device] | None = None  # what plans are compiled for (`place`); None: the cluster's
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.placed.strategy
+
+    @property
+    def lowered(self) -> Lowered:
+        return self.placed.lowered
+
+    @property
+    def simulated_s(self) -> float:
+        return self.placed.simulated_s
+
+
+class ParallelStep(PlacedStep):
+    """One training step of a model under a plan: `loss = step(*batch)`. The model's parameters and the
+    optimizer's state are the truth: they are updated in place after every step (read them at any time).
+    With a `tuner`, the first steps of training also tune the plan (see `fastt.runtime.tune`)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
+                 costs: MeasuredCosts, placed: Placed, threads_per_device: int, tuner: Tuner | None = None) -> None:
+        self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
+        self.costs, self.placed, self.threads_per_device, self.tuner = costs, placed, threads_per_device, tuner
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        tuning = self.tuner is not None and self.tuner.active
+        timings: list | None = [] if tuning else None
+        t0 = time.perf_counter()
+        step = self.lowered.step
+        step.check(self.model, self.optimizer, batch, self.lowered.replicas)
+        guards.check(step.gm, batch, self.lowered.replicas)
+        params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
+        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
+                                                hypers, self.threads_per_device, timings)
+        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
+        # the optimizer and the user hold, stay the same).
+        for p, new in zip(params, new_params):
+            p.data = new
+        fresh = iter(new_states)
+        for p, keys in zip(params, step.state_keys):
+            for k in keys:
+                self.optimizer.state[p][k] = next(fresh)
+        stepped(self.optimizer)
+        if tuning:
+            self.tuner.observe(self, time.perf_counter() - t0, timings)
+        return loss
+
+
+def busy_devices(strategy: Strategy) -> int:
+    """How many worker devices a plan keeps busy at once, for measuring its ops: worker devices share the
+    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses one."""
+    return 1 if len(set(strategy.placement.values())) == 1 else strategy.n_devices
+
+
+def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
+                strategy: Strategy | None = None, tune: bool | Tuner = False,
+                clip_grad_norm: float | None = None, accumulate: int = 1) -> ParallelStep:
+    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
+    the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
+    runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
+    the optimizer's state stay there, the truth).
+
+    Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
+    planner plans with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and
+    runs FastT's tuning loop during the first steps. `clip_grad_norm` clips the gradients to that global norm
+    before every update, as `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
+    `accumulate=k` takes each step's batch as k micro-batches per device, one after the other, and updates once
+    with the whole batch's gradient (gradient accumulation: a device holds one micro-batch's activations): the
+    plan is data parallelism over the micro-batches (`plan.basic.data_parallel`).
+    """
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise FasttError(f"accumulate must be a whole number of micro-batches a step (1 or more), got {accumulate!r}")
+    if accumulate > 1 and (tune or strategy is not None or planner not in ("fastt", "dp")):
+        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp (or the "
+                         "default), without tune or a strategy of your own")
+    cl = cluster(devices)
+    _check_home(model, example_inputs, cl)
+    cl = calibrate_cpu(cl)
+    n = len(cl.devices)
+    cuda = cl.devices[0].kind == "cuda"
+    threads = torch.get_num_threads() if cuda else max(1, torch.get_num_threads() // n)
+    graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
+                          clip_grad_norm=clip_grad_norm)
+    tuner = tuner_of(tune)
+    if accumulate > 1:
+        strategy = data_parallel(graph, cl, accumulate)
+
+    def measure(batches: Sequence[int], planned: Strategy | None) -> MeasuredCosts:
+        # Worker devices share the cores' caches and memory bandwidth: measure with as many busy. GPUs share
+        # nothing.
+        busy = 1 if cuda else busy_devices(planned) if planned is not None else n
+        return measure_step(graph, model, optimizer, example_inputs, batches, threads, busy)
+
+    chosen = decide(graph, cl, n_devices=n, planner=planner, strategy=strategy, tuner=tuner, measure=measure)
+    placed = place(graph, chosen.strategy, cl, chosen.costs)
+    return ParallelStep(model, optimizer, graph, cl, chosen.costs, placed, threads, tuner)
+
+
+def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:
+    """Refuse devices the runtime cannot run, and a model or batch not on a device of the cluster."""
+    kinds = {d.kind for d in cl.devices}
+    if not kinds <= {"cpu"} and kinds != {"cuda"}:
+        raise FasttError(f"cannot run on {cl.name}: the local runtime runs cpu:N or local cuda devices "
+                         "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
+    targets = {torch.device(torch_device(d)) for d in cl.devices}
+    home = {t.device for t in [*model.parameters(), *example_inputs]}
+    if len(home) != 1 or not home <= targets:
+        where = ", ".join(sorted(map(str, home)))
+        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move them "
+                         f"there first (e.g. model.to('{min(map(str, targets))}'))")
