@@ -14,9 +14,14 @@ import torch
 import torch.distributed as dist
 
 from ...cluster import Cluster
+from ...coarsen import capture_graph
+from ...cost import measure_step
 from ...errors import FasttError
 from ...graph import replicable
+from ...plan.named import plan
+from ...simulate import simulate_plan
 from ...strategy import Strategy
+from ..decide import decide, tuner_of
 from ..local import place
 from ..shards import shard_of
 from ..tune import Tuner
@@ -43,9 +48,6 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     times. `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs
     FastT's tuning loop in the first steps of training, as the local runtime does (`fastt.runtime.tune`); rank
     0's tuner decides and logs."""
-    from ...api import capture, plan, simulate
-    from .. import measure_step
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     home = {t.device for t in [*model.parameters(), *example_inputs]}
@@ -53,29 +55,23 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, "
                          f"not on this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
-    graph = capture(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
-                    clip_grad_norm=clip_grad_norm)
+    graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
+                          clip_grad_norm=clip_grad_norm)
     threads = torch.get_num_threads()
-    tuner = Tuner() if tune is True else tune or None
-    if strategy is None and tuner is not None and replicable(graph, world):
-        dp = plan(graph, cl, "dp")
-        strategy = dp if simulate(graph, dp, cl).fits else None
-    planned = strategy is None and planner == "fastt"
-    if strategy is None and planner != "fastt":
-        strategy = plan(graph, cl, planner)
-    batches = ([graph.batch // strategy.replicas] if strategy is not None and tuner is None else
-               [graph.batch] + ([graph.batch // world] if replicable(graph, world) else []))
-    costs = measure_step(graph, model, optimizer, example_inputs, batches, threads, 1)
-    if strategy is None:
-        strategy = alone_on_rank0(lambda: plan(graph, cl, "fastt", measured=costs))
+    tuner = tuner_of(tune)
+    chosen = decide(graph, cl, n_devices=world, planner=planner, strategy=strategy, tuner=tuner,
+                    measure=lambda batches, _: measure_step(graph, model, optimizer, example_inputs, batches,
+                                                            threads, 1),
+                    alone=alone_on_rank0)
+    strategy, costs = chosen.strategy, chosen.costs
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
     step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
-    if planned and tuner is None and trial_steps and world > 1 and replicable(graph, world):
+    if chosen.planned and tuner is None and trial_steps and world > 1 and replicable(graph, world):
         dp = plan(graph, cl, "dp")
         same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
-        if not same and simulate(graph, dp, cl, costs).fits:
+        if not same and simulate_plan(graph, dp, cl, costs).fits:
             rival = _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s)
             mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
             times = [_trial(s, mine, trial_steps) for s in (step, rival)]

@@ -21,6 +21,7 @@ from ...graph import OpGraph
 from ...strategy import Strategy
 from ..local import Placed, place, replica_envs, replica_tables, weighted_loss
 from ..shards import Feed, Piece, plan_feed
+from ..step import PlacedStep
 from ..tune import Tuner
 from .executor import Buffers, RankRun
 from .faults import DEFAULT_TIMEOUT_S, LostPeer, RankError, alone_on_rank0, lost, record_failure, wait_done
@@ -29,7 +30,7 @@ from .packing import Leaf, pack, packed_size, unpack
 from .wiring import Wiring, reads, wire
 
 
-class DistributedStep:
+class DistributedStep(PlacedStep):
     """One training step of this rank's share of a plan: `loss = step(*shard)`, every rank passing its shard
     of the batch: rank r's B/world samples, rows [r·B/world, (r+1)·B/world) of the whole batch of B the step
     was captured with (`fastt.runtime.shards`; in a data-parallel plan rank r's shard is replica r's share,
@@ -79,14 +80,6 @@ class DistributedStep:
                     for segs in programs.devices]
             self._feed = plan_feed(low, programs, read)
         return self._feed
-
-    @property
-    def strategy(self) -> Strategy:
-        return self.placed.strategy
-
-    @property
-    def simulated_s(self) -> float:
-        return self.placed.simulated_s
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
         t0 = time.perf_counter()
