@@ -73,7 +73,8 @@ def test_planner_benchmark_small(tmp_path: Path) -> None:
     assert data["summary"] == summary
     rows, clusters = data["rows"], {"2xV100": 2, "4xV100": 4}
     keys = [(r["model"], r["cluster"], r["planner"]) for r in rows]
-    assert sorted(keys) == sorted(itertools.product(["mlp", "lenet"], clusters, PLANNERS))
+    planned = [p for p in PLANNERS if p != "table-wise"]  # mlp and lenet have no embedding tables to shard
+    assert sorted(keys) == sorted(itertools.product(["mlp", "lenet"], clusters, planned))
     for r in rows:
         assert positive(r["iteration_s"], r["lower_bound_s"]) and r["lower_bound_s"] <= r["iteration_s"] * (1 + 1e-9)
         assert r["plan_s"] >= 0 and len(r["peak_memory_bytes"]) == clusters[r["cluster"]]
@@ -83,7 +84,7 @@ def test_planner_benchmark_small(tmp_path: Path) -> None:
         fastt = by[m, c, "fastt"]["iteration_s"]
         speedups.append(by[m, c, "dp"]["iteration_s"] / fastt)
         # fastt starts from the best of a portfolio of the other planners: never slower than one that fits
-        others = [by[m, c, p]["iteration_s"] for p in PLANNERS if p != "fastt" and by[m, c, p]["fits"]]
+        others = [by[m, c, p]["iteration_s"] for p in planned if p != "fastt" and by[m, c, p]["fits"]]
         assert fastt <= min(others) * (1 + 1e-9), (m, c)
     assert summary["cases"] == 4 and summary["fastt_not_best"] == []
     assert summary["geomean_speedup_over_dp"] == pytest.approx(statistics.geometric_mean(speedups))

@@ -24,6 +24,7 @@ from .errors import FasttError
 from .graph import OpGraph
 from .launch import training_options
 from .plan import PLANNERS, get_planner
+from .plan.mixed import EXPERTS
 from .report import format_run, write_gantt, write_trace
 from .simulate import inter_node_bytes
 from .split import graph_for
@@ -90,7 +91,14 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
         for p in planners:
             bar.set_postfix_str(f"{m}: {p}")
             t0 = time.perf_counter()
-            strategy = api.plan(graph, cl, p, budget_s=budget_s)
+            try:
+                strategy = api.plan(graph, cl, p, budget_s=budget_s)
+            except FasttError as e:
+                if p not in EXPERTS:
+                    raise
+                rows.append({"model": m, "planner": p, "skipped": str(e)})  # an expert plan that does not apply
+                bar.update()
+                continue
             plan_s = time.perf_counter() - t0
             results[p] = (api.simulate(graph, strategy, cl), plan_s, strategy)
             bar.update()
@@ -113,7 +121,8 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
     nodes = len({d.node for d in cl.devices})
     head += ("inter-node GB",) if nodes > 1 else ()
     lines = []
-    for r in rows:
+    planned = [r for r in rows if "skipped" not in r]
+    for r in planned:
         sp = f"{r['speedup_over_dp']:.2f}x" if r["speedup_over_dp"] else "-"
         lb = f"{r['lower_bound_ratio']:.2f}" if r["lower_bound_ratio"] else "-"
         mem = " ".join(f"{_gb(b):g}" for b in r["peak_memory_bytes"])
@@ -126,7 +135,8 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
             + (f" in {nodes} nodes" if nodes > 1 else "") + f", {_gb(cl.devices[0].memory_bytes):g} GB each"),
            fmt.format(*head)]
     out += [fmt.format(*line) for line in lines]
-    out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in rows if not r["fits"]]
+    out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in planned if not r["fits"]]
+    out += [f"  {r['model']}/{r['planner']}: no plan ({r['skipped']})" for r in rows if "skipped" in r]
     return "\n".join(out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..cluster import Cluster
 from ..errors import FasttError
@@ -13,12 +14,14 @@ from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
 from .dpos import dpos
 from .heft import heft
+from .mixed import best_plan, owt, pipeline, table_wise
 from .osdpos import fastt_planner
 
 Planner = Callable[[OpGraph, Cluster], Strategy]
 
 PLANNERS: dict[str, Planner] = {
-    "fastt": fastt_planner,
+    "fastt": lambda graph, cluster: best_plan(graph, cluster, fastt_planner(graph, cluster)),
+    "os-dpos": lambda graph, cluster: replace(fastt_planner(graph, cluster), planner="os-dpos"),
     "single": single_device,
     "dp": data_parallel,
     "dpos": dpos,
@@ -26,6 +29,9 @@ PLANNERS: dict[str, Planner] = {
     "m-etf": m_etf,
     "m-sct": m_sct,
     "heft": heft,
+    "owt": owt,
+    "table-wise": table_wise,
+    "pipeline": pipeline,
 }
 
 

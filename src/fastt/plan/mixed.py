@@ -8,7 +8,8 @@ nothing crosses a link); on a node's devices it is replicated there only; layers
 are a pipeline whose micro-batches are the shards. A parameter is held by the devices its layer's shards run on,
 each applies its update once (`graph.duplicate_updates`), and its gradient is allreduced among them only.
 
-The expert planners are spreads chosen as experts choose them:
+The expert planners are spreads chosen as experts choose them (each raises FasttError where it does not apply),
+and `fastt` keeps the fastest of OS-DPOS's plan and theirs (`best_plan`):
 - `owt` (Krizhevsky's one weird trick): layers of convolutions and attention data-parallel, the other matrix
   multiplications and embeddings each held once, spread over the devices by their work;
 - `table-wise` (TorchRec's table-wise sharding): each embedding table held once, spread by bytes, the rest DP;
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
+from ..errors import FasttError
 from ..graph import (
     INPUT,
     UPDATE,
@@ -35,6 +37,7 @@ from ..graph import (
     replica_of,
 )
 from ..layers import Layers, layers
+from ..simulate import simulate_plan
 from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
@@ -140,9 +143,10 @@ def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: Meas
     return replace(strategy, order=tuple(tuple(g.ops[i].name for i in o) for o in order))
 
 
-def layer_work(graph: OpGraph, cluster: Cluster, found: Layers) -> np.ndarray:
-    """Seconds of each layer's ops on device 0 (roofline), for balancing."""
-    t = op_times(graph, cluster)[:, 0]
+def layer_work(graph: OpGraph, cluster: Cluster, found: Layers, measured: MeasuredCosts | None = None
+               ) -> np.ndarray:
+    """Seconds of each layer's ops on device 0, for balancing."""
+    t = op_times(graph, cluster, measured)[:, 0]
     work = np.zeros(len(found))
     for i, k in enumerate(found.of):
         if k >= 0:
@@ -166,50 +170,77 @@ def _balanced(weights: Sequence[float], n: int) -> list[int]:
 
 
 def _held_once(graph: OpGraph, cluster: Cluster, found: Layers, chosen: list[int], weight: Sequence[float],
-               planner: str) -> Strategy | None:
-    """Layers `chosen` each on one device (balanced by `weight`), the others data-parallel over every device;
-    None when nothing is chosen or the batch does not split per device."""
+               planner: str, measured: MeasuredCosts | None) -> Strategy:
+    """Layers `chosen` each on one device (balanced by `weight`), the others data-parallel over every device."""
     n = len(cluster.devices)
-    if not chosen or graph.batch % n:
-        return None
+    if graph.batch % n:
+        raise FasttError(f"{planner}: batch {graph.batch} does not split into {n} equal shares")
     everywhere = Spread(tuple(range(n)))
     spreads = [everywhere] * len(found)
     for k, d in zip(chosen, _balanced([weight[k] for k in chosen], n)):
         spreads[k] = Spread((d,))
-    return mixed_strategy(graph, cluster, n, spreads, found, planner)
+    return mixed_strategy(graph, cluster, n, spreads, found, planner, measured)
 
 
-def owt(graph: OpGraph, cluster: Cluster) -> Strategy | None:
+def owt(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
     """The one weird trick: convolutions and attention data-parallel, other matmuls and embeddings held once."""
     found = layers(graph)
     attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name or "attention" in layer.name}
     chosen = [k for k in range(len(found)) if k not in attention and not _targets(graph, found, k) & set(CONV)
               and _targets(graph, found, k) & {*MATMUL, *EMBEDDING}]
-    return _held_once(graph, cluster, found, chosen, layer_work(graph, cluster, found), "owt")
+    if not chosen:
+        raise FasttError("owt: the model has no fully connected or embedding layer outside attention")
+    return _held_once(graph, cluster, found, chosen, layer_work(graph, cluster, found), "owt", measured)
 
 
-def table_wise(graph: OpGraph, cluster: Cluster) -> Strategy | None:
+def table_wise(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
     """Each embedding table on one device (balanced by bytes), the rest data-parallel."""
     found = layers(graph)
     tables = [k for k in range(len(found)) if _targets(graph, found, k) & set(EMBEDDING)]
+    if not tables:
+        raise FasttError("table-wise: the model has no embedding tables")
     size = [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers]
-    return _held_once(graph, cluster, found, tables, size, "table-wise")
+    return _held_once(graph, cluster, found, tables, size, "table-wise", measured)
 
 
-def pipeline(graph: OpGraph, cluster: Cluster, micro: int = MICRO_BATCHES) -> Strategy | None:
+def pipeline(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
+             micro: int = MICRO_BATCHES) -> Strategy:
     """A stage per node (per device on one node), cut where the stages' work is even, each stage data-parallel
-    over its devices with `micro` shards a device; None when there is one device or the batch does not split."""
+    over its devices with `micro` shards a device (fewer if the batch does not split so: 4, 2 or 1)."""
     nodes = sorted({d.node for d in cluster.devices})
     groups = ([tuple(i for i, d in enumerate(cluster.devices) if d.node == j) for j in nodes] if len(nodes) > 1
               else [(i,) for i in range(len(cluster.devices))])
     if len(groups) < 2 or len({len(s) for s in groups}) > 1:
-        return None
+        raise FasttError("pipeline: needs two or more devices, or nodes with as many devices each")
     found = layers(graph)
-    shards = len(groups[0]) * micro
-    if graph.batch % shards or len(found) < len(groups):
-        return None
+    if len(found) < len(groups):
+        raise FasttError(f"pipeline: {len(found)} layers cannot make {len(groups)} stages")
+    fits = [m for m in (micro, 2, 1) if m <= micro and graph.batch % (len(groups[0]) * m) == 0]
+    if not fits:
+        raise FasttError(f"pipeline: batch {graph.batch} does not split into {len(groups[0])} equal shares")
     work = np.cumsum(layer_work(graph, cluster, found))
     cut = [int(np.searchsorted(work, work[-1] * (s + 1) / len(groups))) for s in range(len(groups) - 1)]
     stage = np.searchsorted(np.array(cut), np.arange(len(found)), side="right")
     spreads = [Spread(groups[s]) for s in stage]
-    return mixed_strategy(graph, cluster, shards, spreads, found, "pipeline", gpipe=True)
+    return mixed_strategy(graph, cluster, len(groups[0]) * fits[0], spreads, found, "pipeline", measured,
+                          gpipe=True)
+
+
+EXPERTS = {"owt": owt, "table-wise": table_wise, "pipeline": pipeline}
+
+
+def best_plan(graph: OpGraph, cluster: Cluster, seed: Strategy, measured: MeasuredCosts | None = None) -> Strategy:
+    """The fastest simulated of `seed` (OS-DPOS's plan) and the expert plans that apply, plans that fit first,
+    named `fastt`: FastT's rule (keep a plan only if it is faster) over a portfolio."""
+    candidates = [seed]
+    for expert in EXPERTS.values():
+        try:
+            candidates.append(expert(graph, cluster, measured))
+        except FasttError:
+            continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
+
+    def judged(s: Strategy) -> tuple[bool, float]:
+        tl = simulate_plan(graph, s, cluster, measured)
+        return (not tl.fits, tl.iteration_s)
+
+    return replace(min(candidates, key=judged), planner="fastt")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..cluster import Cluster
 from ..cost import MeasuredCosts
 from ..graph import OpGraph
 from ..strategy import Strategy
 from . import get_planner
+from .mixed import best_plan
 from .osdpos import DEFAULT_BUDGET_S, os_dpos
 
 
@@ -14,9 +17,11 @@ def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | 
          measured: MeasuredCosts | None = None) -> Strategy:
     """A strategy for `graph` on `cl` from the named planner (see fastt.plan.PLANNERS).
 
-    `budget_s` bounds the `fastt` planner's search (it returns the best plan found so far); `measured` gives it
-    measured op times (the other planners plan with the cost model's estimates).
+    `budget_s` bounds the `fastt` and `os-dpos` planners' split search (they return the best plan found so far;
+    0 searches no splits); `measured` gives them measured op times (the other planners plan with the cost
+    model's estimates).
     """
-    if planner == "fastt" and (budget_s is not None or measured is not None):
-        return os_dpos(graph, cl, budget_s=budget_s or DEFAULT_BUDGET_S, measured=measured)
+    if planner in ("fastt", "os-dpos") and (budget_s is not None or measured is not None):
+        seed = os_dpos(graph, cl, budget_s=DEFAULT_BUDGET_S if budget_s is None else budget_s, measured=measured)
+        return best_plan(graph, cl, seed, measured) if planner == "fastt" else replace(seed, planner="os-dpos")
     return get_planner(planner)(graph, cl)
