@@ -15,6 +15,7 @@ cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo) exec .venv/bin/fastt demo "$@" ;;
   test)
+    .venv/bin/ruff check --quiet .  # lint first: a style error fails in seconds, not after the suite
     # CI runs the slow, paper-size checks too, but each at its small size where it offers one.
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "usage: scripts/dev.sh demo|test [args...]" >&2; exit 2 ;;

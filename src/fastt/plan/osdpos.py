@@ -31,7 +31,7 @@ from .common import PlanCosts, plan_costs
 from .dpos import dpos_strategy, schedule
 from .heft import heft
 
-DEFAULT_BUDGET_S = 6.0  # with the starting plans, bert-large on 8 GPUs plans in under 10 s here
+DEFAULT_BUDGET_S = 6.0  # seconds of split search after the starting plans (docs/benchmarks.md gives planning times)
 
 
 def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
