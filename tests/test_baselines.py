@@ -15,7 +15,19 @@ from hypothesis import strategies as st
 import fastt
 from fastt import zoo
 from fastt.cluster import Cluster, Device, Link
-from fastt.graph import BUFFER, COMPUTE, INPUT, PARAM, RESIDENT, STATE, UPDATE, Op, OpGraph, replicate
+from fastt.graph import (
+    BUFFER,
+    COMPUTE,
+    INPUT,
+    PARAM,
+    RESIDENT,
+    STATE,
+    UPDATE,
+    Op,
+    OpGraph,
+    replicate,
+    without_unplaced_updates,
+)
 from fastt.plan import baechi
 from fastt.plan.baechi import favorite_children, m_etf, m_sct, m_topo
 from fastt.plan.common import PlanCosts, memory_of, plan_costs
@@ -158,14 +170,32 @@ def fan_in(n: int, out: int) -> OpGraph:
 
 
 def test_m_topo_fills_devices_in_turn() -> None:
-    """8 ops of 100 bytes on 4 devices: the cap is 800 / 4 = 200, so two ops per device, in graph order."""
+    """8 ops of 100 bytes on 4 devices: Baechi's capacity is 800 / 4 + the largest op's 100 = 300, so three ops
+    per device, in Kahn's breadth-first order."""
     g = fan_in(8, 100)
     assert sum(memory_of(g)) == 800
     s = m_topo(g, mesh(4, mem=10_000))
-    assert s.order == (("o0", "o1"), ("o2", "o3"), ("o4", "o5"), ("o6", "o7", "sink"))
-    # The cap never exceeds a device's memory: with 150 bytes each device takes one op; the rest overflow.
+    assert s.order == (("o0", "o1", "o2"), ("o3", "o4", "o5"), ("o6", "o7", "sink"), ())
+    # The capacity never exceeds a device's memory: with 150 bytes each device takes one op; the rest overflow.
     s = m_topo(g, mesh(4, mem=150))
     assert [s.placement[f"o{k}"] for k in range(4)] == [0, 1, 2, 3]
+
+
+def test_m_topo_colocates_updates_with_their_parameters() -> None:
+    """vgg19 on 4 devices: every update runs where its parameter's first reader (its forward op) went, so no
+    parameter or optimizer state travels, and the updates are not all left to the last device (m-TOPO's plans
+    before Baechi's rule)."""
+    from fastt import zoo
+    from fastt.api import capture
+
+    w = zoo.get("vgg19")
+    g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
+    s = m_topo(g, mesh(4, mem=1 << 40))
+    for i in g.of_kind(UPDATE):
+        params = [p for p in g.ops[i].updates if g.ops[p].kind == PARAM]
+        first = min(s.placement[g.ops[r].name] for p in params for r in g.succs[p] if g.ops[r].kind != UPDATE)
+        assert s.placement[g.ops[i].name] == first and all(s.holders[g.ops[p].name] == (first,) for p in params)
+    assert len({s.placement[g.ops[i].name] for i in g.of_kind(UPDATE)}) > 1
 
 
 @pytest.mark.parametrize("name", PLANNERS)
@@ -277,26 +307,43 @@ def test_random_steps_with_tight_memory(g: OpGraph, n: int, slack: float, name: 
 @settings(max_examples=150, deadline=None)
 @given(g=steps(), n=st.integers(2, 8))
 def test_m_topo_respects_the_cap(g: OpGraph, n: int) -> None:
-    """Devices are filled in graph order, and every device before the last stays within its cap."""
+    """Devices are filled in a topological order (each device runs its ops in it), every device before the last
+    stays within its capacity but for the updates colocated with their parameters, and each update runs where
+    its parameter was first read."""
     limit = 1 << 30
     cl = clusters(n, limit, 1e9)
     s = m_topo(g, cl)
-    use = static_use(g, s)
-    cap = min(limit, sum(use) / n)
+    mem = memory_of(g)
+    size = [op.out_bytes if op.kind in RESIDENT else mem[i] for i, op in enumerate(g.ops)]
+    cap = min(limit, sum(size) / n + max(size))
+    use = [0] * n
+    for i, op in enumerate(g.ops):
+        if op.kind not in RESIDENT and op.kind != UPDATE:
+            use[s.placement[op.name]] += size[i]
     assert all(u <= cap for u in use[:-1])
-    devices = [s.placement[op.name] for op in g.ops if op.kind not in RESIDENT]
-    assert devices == sorted(devices)
+    pos = {name: k for names in s.order for k, name in enumerate(names)}
+    for op in g.ops:  # each device's order is topological
+        for j in op.inputs:
+            if op.name in pos and g.ops[j].name in pos and s.placement[op.name] == s.placement[g.ops[j].name]:
+                assert pos[g.ops[j].name] < pos[op.name]
+    for i in g.of_kind(UPDATE):
+        p = next(p for p in g.ops[i].updates if g.ops[p].kind == PARAM)
+        readers = [r for r in g.succs[p] if g.ops[r].kind != UPDATE]
+        if readers:
+            assert s.placement[g.ops[i].name] in {s.placement[g.ops[r].name] for r in readers}
 
 
 @pytest.mark.parametrize("name", PLANNERS)
 def test_data_parallel_graph(name: str) -> None:
-    """A replicated graph (allreduces, residents updated on two devices) still gets a valid plan."""
+    """A replicated graph (allreduces, residents updated on two devices) still gets a valid plan (one update a
+    device: a second replica's update on the same device is left out, `graph.duplicate_updates`)."""
     g = replicate(_small_step(), 2)
     cl = clusters(2, 1 << 40, 1e9)
     s = PLANNERS[name](g, cl)
     assert s.replicas == 2
-    s.validate(g)
-    assert simulate(g, s, cl, plan_costs(g, cl).times).fits
+    placed = without_unplaced_updates(g, s.placement)
+    s.validate(placed)
+    assert simulate(placed, s, cl, plan_costs(placed, cl).times).fits
 
 
 def _small_step() -> OpGraph:

@@ -78,3 +78,23 @@ def test_expert_plans_train_as_eager(name: str, make) -> None:
         eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, s.replicas)
         step(*batch)
     assert_same(ref, ours)
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet50", "transformer", "gpt2", "dlrm", "rnnlm"])
+@pytest.mark.parametrize("spec", ["2xV100", "2x2xV100-pcie", "3xV100"])
+def test_every_expert_plans_or_says_why_not(name: str, spec: str) -> None:
+    """Each expert planner gives a plan that validates and simulates, or one line saying why it does not apply
+    (3 devices: a batch of 16 does not split into 3 equal shares)."""
+    from fastt.errors import FasttError
+    from fastt.plan.mixed import EXPERTS
+
+    g, cl = graph_of(name), cluster(spec)
+    for expert, make in EXPERTS.items():
+        try:
+            s = make(g, cl)
+        except FasttError as e:
+            assert "\n" not in str(e) and str(e).startswith(expert), str(e)
+            continue
+        s.validate(graph_for(g, s))
+        tl = simulate(g, s, cl)
+        assert tl.iteration_s > 0 and (tl.fits or tl.oom)

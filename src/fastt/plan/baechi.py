@@ -10,7 +10,7 @@ from the producer's device (`PlanCosts`, linear in bytes); a resident input is f
 from __future__ import annotations
 
 import bisect
-import heapq
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +20,7 @@ from scipy.optimize import linprog
 from ..cluster import Cluster
 from ..graph import RESIDENT, OpGraph
 from ..strategy import Strategy
-from .common import PlanCosts, plan_costs
+from .common import PlanCosts, plan_costs, strategy_from
 from .schedule import Choice, FreeAllreduce, Schedule, StaticMemory, list_schedule, reads_of
 
 
@@ -33,46 +33,67 @@ def _baechi_schedule(graph: OpGraph, cluster: Cluster, costs: PlanCosts) -> Sche
 
 
 class TopoFill:
-    """m-TOPO's rule: ops in graph order fill device after device, each up to its cap (see `m_topo`)."""
+    """m-TOPO's rule (see `m_topo`): ops in Kahn's breadth-first order fill device after device up to a cap, and
+    an update goes where its parameter's first reader went."""
 
     def __init__(self, sched: Schedule, cluster: Cluster) -> None:
         mem = sched.memory
-        nd = sched.n_devices
-        cap = [min(dev.memory_bytes, sum(mem.size) / nd) for dev in cluster.devices]
-        cap[-1] = cluster.devices[-1].memory_bytes
-        self.cap = cap
-        self.used = [int(dev.memory_bytes - mem.free[d]) for d, dev in enumerate(cluster.devices)]
+        share = sum(mem.size) / sched.n_devices + max(mem.size, default=0)
+        self.cap = [min(dev.memory_bytes, share) for dev in cluster.devices]
+        self.cap[-1] = cluster.devices[-1].memory_bytes
+        self.used = [0.0] * sched.n_devices
         self.k = 0  # the device being filled
-        self.heap: list[int] = []
+        self.queue: deque[int] = deque()
+        self.home: dict[int, int] = {}  # parameter -> the device of its first reader
+        self.order: list[int] = []  # the ops as they were placed: each device runs its own in this order
+        # What one update writes (a parameter and its optimizer state) lives together, charged on the first read.
+        self.group: dict[int, tuple[int, ...]] = {}
+        for op in sched.g.ops:
+            for r in op.updates:
+                self.group[r] = tuple(op.updates)
 
     def ready(self, sched: Schedule, i: int) -> None:
-        heapq.heappush(self.heap, i)
+        self.queue.append(i)
 
     def pick(self, sched: Schedule) -> Choice | None:
-        if not self.heap:
+        if not self.queue:
             return None
-        i = heapq.heappop(self.heap)
-        mem, cap, used = sched.memory, self.cap, self.used
-        while self.k < sched.n_devices - 1 and used[self.k] + mem.charge(i, self.k) > cap[self.k]:
-            self.k += 1
-        k = self.k
-        d = k if used[k] + mem.charge(i, k) <= cap[k] else int(np.argmax(mem.free))
-        used[d] += mem.charge(i, d)
+        i = self.queue.popleft()
+        g, size = sched.g, sched.memory.size
+        claimed = [r for r in (*g.ops[i].inputs, *g.ops[i].updates) if g.ops[r].kind in RESIDENT]
+        new = [r for r in dict.fromkeys(m for r in claimed for m in self.group.get(r, (r,))) if r not in self.home]
+        need = size[i] + sum(size[r] for r in new)
+        homes = {self.home[r] for r in g.ops[i].updates if r in self.home}
+        if homes:  # colocated with its parameter, which was charged with its state where it was first read
+            d = min(homes)
+        else:
+            while self.k < sched.n_devices - 1 and self.used[self.k] + need > self.cap[self.k]:
+                self.k += 1
+            d = self.k
+            if self.used[d] + need > self.cap[d]:
+                d = int(np.argmax(sched.memory.free))
+        for r in new:
+            self.home[r] = d
+        self.used[d] += need
+        self.order.append(i)
         return Choice(i, d, 0.0)
 
 
 def m_topo(graph: OpGraph, cluster: Cluster, costs: PlanCosts | None = None) -> Strategy:
-    """m-TOPO: ops in topological order fill the devices one after another, each up to a memory cap.
-
-    The cap of device d is min(its memory, total static memory / number of devices), total static memory being
-    what every op and resident charges once (`StaticMemory.size`). When the next op would push the current device
-    over its cap the walk moves on to the next device; the last device takes the rest up to its memory. An op no
-    device has room for goes to the device with the most free memory. Each device runs its ops in topological
-    order.
+    """Baechi's m-TOPO: ops in Kahn's breadth-first topological order fill the devices one after another, each up
+    to its capacity, the total static memory over the number of devices plus the largest op's (capped at the
+    device's memory; the last device takes the rest up to its memory). Total static memory is what every op and
+    resident charges once (`StaticMemory.size`); a parameter and its optimizer state are charged with the
+    parameter's first reader, and its update runs there (Baechi colocates a variable with the ops that update
+    it), so neither travels. An op over every capacity goes to the device with the most free memory. Each device
+    runs its ops in that order.
     `costs` only serves the interface shared with the other planners: m-TOPO ignores time.
     """
     sched = _baechi_schedule(graph, cluster, costs or _no_costs(graph, cluster))
-    return list_schedule(sched, TopoFill(sched, cluster)).strategy("m-topo", by_start=False)
+    placed = list_schedule(sched, (fill := TopoFill(sched, cluster)))
+    order = {i: k for k, i in enumerate(fill.order)}
+    return strategy_from(graph, "m-topo", placed.n_devices, [max(d, 0) for d in placed.dev],
+                         start=[order.get(i, -1) for i in range(len(graph.ops))], replicas=graph.replicas)
 
 
 def _no_costs(graph: OpGraph, cluster: Cluster) -> PlanCosts:
