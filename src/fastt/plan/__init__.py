@@ -20,7 +20,7 @@ from .osdpos import fastt_planner
 Planner = Callable[[OpGraph, Cluster], Strategy]
 
 PLANNERS: dict[str, Planner] = {
-    "fastt": lambda graph, cluster: best_plan(graph, cluster, fastt_planner(graph, cluster)),
+    "fastt": best_plan,
     "os-dpos": lambda graph, cluster: replace(fastt_planner(graph, cluster), planner="os-dpos"),
     "single": single_device,
     "dp": data_parallel,

@@ -20,6 +20,7 @@ and `fastt` keeps the fastest of OS-DPOS's plan and theirs (`best_plan`):
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -41,6 +42,7 @@ from ..simulate import simulate_plan
 from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
+from .osdpos import DEFAULT_BUDGET_S, os_dpos
 from .schedule import Choice, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
@@ -229,15 +231,19 @@ def pipeline(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
 EXPERTS = {"owt": owt, "table-wise": table_wise, "pipeline": pipeline}
 
 
-def best_plan(graph: OpGraph, cluster: Cluster, seed: Strategy, measured: MeasuredCosts | None = None) -> Strategy:
-    """The fastest simulated of `seed` (OS-DPOS's plan) and the expert plans that apply, plans that fit first,
-    named `fastt`: FastT's rule (keep a plan only if it is faster) over a portfolio."""
-    candidates = [seed]
+def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
+              measured: MeasuredCosts | None = None) -> Strategy:
+    """The `fastt` planner: the fastest simulated of the expert plans that apply and OS-DPOS's plan, plans that fit
+    first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first; OS-DPOS's
+    split search gets what is left of `budget_s`."""
+    deadline = time.perf_counter() + budget_s
+    candidates = []
     for expert in EXPERTS.values():
         try:
             candidates.append(expert(graph, cluster, measured))
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
+    candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
 
     def judged(s: Strategy) -> tuple[bool, float]:
         tl = simulate_plan(graph, s, cluster, measured)

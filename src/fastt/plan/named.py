@@ -22,6 +22,8 @@ def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | 
     model's estimates).
     """
     if planner in ("fastt", "os-dpos") and (budget_s is not None or measured is not None):
-        seed = os_dpos(graph, cl, budget_s=DEFAULT_BUDGET_S if budget_s is None else budget_s, measured=measured)
-        return best_plan(graph, cl, seed, measured) if planner == "fastt" else replace(seed, planner="os-dpos")
+        budget = DEFAULT_BUDGET_S if budget_s is None else budget_s
+        if planner == "fastt":
+            return best_plan(graph, cl, budget, measured)
+        return replace(os_dpos(graph, cl, budget_s=budget, measured=measured), planner="os-dpos")
     return get_planner(planner)(graph, cl)
