@@ -19,7 +19,6 @@ and `fastt` keeps the fastest of OS-DPOS's plan and theirs (`best_plan`):
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -43,7 +42,7 @@ from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
 from .osdpos import DEFAULT_BUDGET_S, os_dpos
-from .schedule import Choice, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
+from .schedule import ByRank, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
 MATMUL = ("aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.linear.default")
@@ -95,42 +94,27 @@ def _gpipe_start(graph: OpGraph, g: OpGraph, found: Layers, shards: int) -> list
 
 
 class _Held:
-    """Where each resident lives when the plan has said so already (its layer's devices): nothing to decide."""
+    """Where each resident lives when the plan has said so already (its layer's devices): nothing to decide, and
+    every device has room (the simulator checks memory)."""
 
-    def __init__(self, homes: dict[int, list[int]]) -> None:
-        self.homes = homes
+    def __init__(self, homes: dict[int, list[int]], n_devices: int) -> None:
+        self.homes, self.n_devices = homes, n_devices
 
     def where(self, r: int) -> list[int]:
         return self.homes[r]
+
+    def room(self, i: int) -> np.ndarray:
+        return np.ones(self.n_devices, dtype=bool)
 
     def place(self, i: int, d: int) -> None:
         pass
 
 
-class _OnTheirDevices:
-    """The list-scheduling policy of a plan whose devices are chosen: ops by decreasing upward rank (their time
-    on their device plus the longest path after them, transfers included), each in the first idle gap of its
-    device once its inputs can be there."""
-
-    def __init__(self, rank: list[float], device: list[int]) -> None:
-        self.rank, self.device = rank, device
-        self.heap: list[tuple[float, int]] = []
-
-    def ready(self, sched: Schedule, i: int) -> None:
-        heapq.heappush(self.heap, (-self.rank[i], i))
-
-    def pick(self, sched: Schedule) -> Choice | None:
-        if not self.heap:
-            return None
-        _, i = heapq.heappop(self.heap)
-        d = self.device[i]
-        return Choice(i, d, sched.earliest(d, float(sched.arrival(i)[d]), float(sched.times[i, d])))
-
-
 def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
-    """`strategy` with each device's ops reordered by a list schedule of its placement (`_OnTheirDevices`), so
-    that a device runs first what others wait for: the shards a later pipeline stage needs, the FC layer's
-    shard a data-parallel device waits on. The placement and holders stay."""
+    """`strategy` with each device's ops reordered by a list schedule of its placement (ops by decreasing upward
+    rank, their time on their device plus the longest path after them with transfers, each in the first idle gap
+    of its device), so that a device runs first what others wait for: the FC layer's shard a data-parallel device
+    waits on. The placement and holders stay."""
     g = graph_for(graph, strategy)
     device = [strategy.placement.get(op.name, -1) for op in g.ops]
     costs = plan_costs(g, cluster, measured)
@@ -139,7 +123,8 @@ def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: Meas
     rank = upward_rank(g, costs.times[np.arange(len(g.ops)), here],
                        lambda i, s: 0.0 if here[i] == here[s] else costs.transfer(here[i], here[s], nbytes[i, s]))
     homes = {g.index[name]: list(devs) for name, devs in strategy.holders.items()}
-    sched = list_schedule(Schedule(g, costs, _Held(homes), RingAllreduce()), _OnTheirDevices(rank, here))
+    policy = ByRank(rank, fixed=dict(enumerate(here)))  # every op fixed: ranks order, devices stay
+    sched = list_schedule(Schedule(g, costs, _Held(homes, strategy.n_devices), RingAllreduce()), policy)
     order = [sorted((i for i, d in enumerate(device) if d == k), key=lambda i: (sched.start[i], i))
              for k in range(strategy.n_devices)]
     return replace(strategy, order=tuple(tuple(g.ops[i].name for i in o) for o in order))
