@@ -180,8 +180,9 @@ def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.C
 
 
 def test_demo_compares_planners(tmp_path: Path) -> None:
-    out = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", cwd=tmp_path)).stdout
-    real, example, simulated = out.split("\n\n", 2)
+    out = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", "--mixed-models",
+                   "lenet", "--mixed-cluster", "2x2xV100", cwd=tmp_path)).stdout
+    real, example, simulated, mixed = out.split("\n\n", 3)
     assert real.startswith("mlp trained for real on cpu:2")
     accuracy = re.match(r"digits: test accuracy (\S+)%", example)
     assert accuracy and float(accuracy.group(1)) >= 90 and (tmp_path / "digits_loss.png").is_file()
@@ -193,6 +194,10 @@ def test_demo_compares_planners(tmp_path: Path) -> None:
     rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
     assert [row[1] for row in rows] == ["fastt", "dp", "single", "dpos", "heft", "m-sct"]
     assert all(row[-2] == "yes" for row in rows)
+    assert mixed.startswith("Mixed plans, where DP's gradients cross the nodes:\ncluster 2x2xV100-nvlink")
+    planned = {line.split()[1]: float(line.split()[3]) for line in mixed.splitlines() if line.startswith("lenet ")}
+    assert set(planned) == {"fastt", "dp", "os-dpos", "owt", "pipeline"} and "lenet/table-wise: no plan" in mixed
+    assert planned["fastt"] <= min(planned.values())
     dp = rows[1]
     assert dp[4] == "1.00x"
 

@@ -275,7 +275,7 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
 def cmd_demo(a: argparse.Namespace) -> None:
     """The main job: a real run on this machine's CPU worker devices (fastt tuned in the first steps, FastT's
     loop), a user's training loop around fastt (the digits example, small), then planners compared on simulated
-    GPU clusters."""
+    GPU clusters, and the mixed plans where data parallelism is bound by the network between nodes."""
     from .examples import digits
     from .runtime.bench import run_planners
 
@@ -295,6 +295,12 @@ def cmd_demo(a: argparse.Namespace) -> None:
         rows = compare(models, cl, ["fastt", "dp", "single", "dpos", "heft", "m-sct"], "paper", None, "sgd",
                        progress=not a.json)
         print(json.dumps({"cluster": spec, "results": rows}) if a.json else format_table(rows, cl) + "\n")
+    # Where data parallelism waits on the network between nodes: the experts' mixed plans and fastt's choice.
+    cl = cluster(a.mixed_cluster)
+    rows = compare(a.mixed_models.split(","), cl, ["fastt", "dp", "os-dpos", *EXPERTS], "paper", None, "sgd",
+                   progress=not a.json)
+    print(json.dumps({"cluster": a.mixed_cluster, "results": rows}) if a.json else
+          "Mixed plans, where DP's gradients cross the nodes:\n" + format_table(rows, cl))
 
 
 def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> None:
@@ -356,6 +362,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-model", default="transformer", help="the zoo model trained for real on cpu:2")
     p.add_argument("--models", default="vgg19,resnet50,inception_v3,bert-base")
     p.add_argument("--clusters", default="4xV100,8xA100-pcie")
+    p.add_argument("--mixed-models", default="alexnet,vgg19,dlrm",
+                   help="models whose mixed plans are compared on --mixed-cluster")
+    p.add_argument("--mixed-cluster", default="2x4xV100")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_demo)
     return top
