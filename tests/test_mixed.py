@@ -9,6 +9,7 @@ from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 
 
 from fastt.api import capture, simulate
 from fastt.cluster import cluster
+from fastt.errors import FasttError
 from fastt.graph import PARAM
 from fastt.layers import layers
 from fastt.plan import graph_for
@@ -61,7 +62,8 @@ def test_table_wise_puts_each_embedding_table_on_one_device() -> None:
     names = [layers(g).layers[k].name for k in tables]
     assert len(names) == 3 and all(len(held[n]) == 1 for n in names)
     assert all(len(h) == 4 for n, h in held.items() if n not in names)
-    assert table_wise(graph_of("vgg19"), cluster("4xV100")) is None  # no tables
+    with pytest.raises(FasttError, match="table-wise: the model has no embedding tables"):
+        table_wise(graph_of("vgg19"), cluster("4xV100"))
 
 
 @pytest.mark.parametrize(("name", "make"), [("mlp", owt), ("lenet", owt), ("mlp", pipeline),
@@ -85,7 +87,6 @@ def test_expert_plans_train_as_eager(name: str, make) -> None:
 def test_every_expert_plans_or_says_why_not(name: str, spec: str) -> None:
     """Each expert planner gives a plan that validates and simulates, or one line saying why it does not apply
     (3 devices: a batch of 16 does not split into 3 equal shares)."""
-    from fastt.errors import FasttError
     from fastt.plan.mixed import EXPERTS
 
     g, cl = graph_of(name), cluster(spec)
