@@ -9,7 +9,9 @@ from test_dpos import training_like
 
 import fastt
 from fastt import zoo
+from fastt.errors import FasttError
 from fastt.plan import PLANNERS, graph_for
+from fastt.plan.mixed import EXPERTS
 from fastt.plan.osdpos import os_dpos, split_critical_path
 from fastt.strategy import Strategy
 
@@ -42,7 +44,12 @@ def test_fastt_never_slower_than_its_seeds() -> None:
     cl = fastt.cluster("2xV100")
     ours = fastt.simulate(g, fastt.plan(g, cl, "fastt"), cl).iteration_s
     for p in PLANNERS.keys() - {"fastt"}:
-        assert ours <= fastt.simulate(g, PLANNERS[p](g, cl), cl).iteration_s, p
+        try:
+            theirs = PLANNERS[p](g, cl)
+        except FasttError:
+            assert p in EXPERTS  # an expert plan that does not apply (mlp has no embedding tables)
+            continue
+        assert ours <= fastt.simulate(g, theirs, cl).iteration_s, p
 
 
 def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
