@@ -190,19 +190,29 @@ def table_wise(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None 
     return _held_once(graph, cluster, found, tables, size, "table-wise", measured)
 
 
+def _stage_groups(cluster: Cluster) -> list[tuple[int, ...]]:
+    """A pipeline's stages: the devices of each node, or each device on one node."""
+    nodes = sorted({d.node for d in cluster.devices})
+    return ([tuple(i for i, d in enumerate(cluster.devices) if d.node == j) for j in nodes] if len(nodes) > 1
+            else [(i,) for i in range(len(cluster.devices))])
+
+
+def _stages_per_group(cluster: Cluster) -> int:
+    """Micro-batches a device for which a pipeline cuts the batch into one shard per device."""
+    return len(_stage_groups(cluster))
+
+
 def pipeline(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
              micro: int = MICRO_BATCHES) -> Strategy:
     """A stage per node (per device on one node), cut where the stages' work is even, each stage data-parallel
     over its devices with `micro` shards a device (fewer if the batch does not split so: 4, 2 or 1)."""
-    nodes = sorted({d.node for d in cluster.devices})
-    groups = ([tuple(i for i, d in enumerate(cluster.devices) if d.node == j) for j in nodes] if len(nodes) > 1
-              else [(i,) for i in range(len(cluster.devices))])
+    groups = _stage_groups(cluster)
     if len(groups) < 2 or len({len(s) for s in groups}) > 1:
         raise FasttError("pipeline: needs two or more devices, or nodes with as many devices each")
     found = layers(graph)
     if len(found) < len(groups):
         raise FasttError(f"pipeline: {len(found)} layers cannot make {len(groups)} stages")
-    fits = [m for m in (micro, 2, 1) if m <= micro and graph.batch % (len(groups[0]) * m) == 0]
+    fits = [m for m in (micro, 4, 2, 1) if m <= micro and graph.batch % (len(groups[0]) * m) == 0]
     if not fits:
         raise FasttError(f"pipeline: batch {graph.batch} does not split into {len(groups[0])} equal shares")
     work = np.cumsum(layer_work(graph, cluster, found))
@@ -223,9 +233,14 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     split search gets what is left of `budget_s`."""
     deadline = time.perf_counter() + budget_s
     candidates = []
-    for expert in EXPERTS.values():
+    for name, expert in EXPERTS.items():
         try:
-            candidates.append(expert(graph, cluster, measured))
+            if name == "pipeline" and measured is not None:
+                # Op times were measured at the batch and at its share per device: cut the batch no finer, so
+                # the plans compared are all costed by measurement (finer shards would be roofline guesses).
+                candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
+            else:
+                candidates.append(expert(graph, cluster, measured))
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
