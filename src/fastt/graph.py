@@ -162,10 +162,15 @@ def loss_weights(graph: OpGraph, sub: OpGraph, n: int) -> ReplicaWeights:
     return replica_weights(whole, share, n)
 
 
+def _replica_name(name: str) -> tuple[int, str]:
+    """(replica, name in the captured step) of an op that `replicate` named `r{k}/name`; (0, name) otherwise."""
+    head, sep, rest = name.partition("/")
+    return (int(head[1:]), rest) if sep and head[:1] == "r" and head[1:].isdigit() else (0, name)
+
+
 def replica_of(name: str) -> int:
     """The replica of an op of a data-parallel graph (`replicate` names them `r{k}/...`); 0 otherwise."""
-    head, sep, _ = name.partition("/")
-    return int(head[1:]) if sep and head[:1] == "r" and head[1:].isdigit() else 0
+    return _replica_name(name)[0]
 
 
 def replicate(sub: OpGraph, n: int) -> OpGraph:
@@ -210,8 +215,7 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
 
 def base_name(name: str) -> str:
     """The op of the captured step that a replica's copy `r{k}/name` copies (`name` itself otherwise)."""
-    head, sep, rest = name.partition("/")
-    return rest if sep and head[:1] == "r" and head[1:].isdigit() else name
+    return _replica_name(name)[1]
 
 
 def duplicate_updates(g: OpGraph, device_of: Sequence[int]) -> set[int]:

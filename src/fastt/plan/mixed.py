@@ -37,11 +37,10 @@ from ..graph import (
     replica_of,
 )
 from ..layers import Layers, layers
-from ..simulate import simulate_plan
 from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
-from .osdpos import DEFAULT_BUDGET_S, os_dpos
+from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .schedule import ByRank, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
@@ -244,9 +243,5 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
-
-    def judged(s: Strategy) -> tuple[bool, float]:
-        tl = simulate_plan(graph, s, cluster, measured)
-        return (not tl.fits, tl.iteration_s)
-
-    return replace(min(candidates, key=judged), planner="fastt")
+    best = min(candidates, key=lambda s: _judge(graph_for(graph, s), s, cluster, measured))
+    return replace(best, planner="fastt")
