@@ -35,11 +35,11 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], object]] = {
-    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
-    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS),
-    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS),
-    "warmup": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: min(1.0, (i + 1) / 4)),
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, int], object]] = {  # (optimizer, steps) -> scheduler
+    "step": lambda o, n: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "cosine": lambda o, n: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=n),
+    "onecycle": lambda o, n: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=n),
+    "warmup": lambda o, n: torch.optim.lr_scheduler.LambdaLR(o, lambda i: min(1.0, (i + 1) / 4)),
 }
 
 
@@ -55,7 +55,7 @@ def train_both(make: Callable[[], tuple], planner: str, schedule: str | None = N
     ref_model, ref_loss_fn, ref_opt, _ = make()
     assert max_param_rel_diff(ref_model, model) == 0
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", planner, clip_grad_norm=clip)
-    scheds = [SCHEDULES[schedule](o) for o in (opt, ref_opt)] if schedule else []
+    scheds = [SCHEDULES[schedule](o, steps) for o in (opt, ref_opt)] if schedule else []
     ours, theirs, worst = [], [], 0.0
     for i in range(steps):
         batch = seed_batches(i) if seed_batches else batch_like(inputs, i)
