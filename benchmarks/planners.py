@@ -22,7 +22,7 @@ import fastt
 from fastt import zoo
 from fastt.errors import FasttError
 from fastt.plan import PLANNERS
-from fastt.plan.mixed import EXPERTS
+from fastt.plan.portfolio import OPTIONAL
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = "2xV100,4xV100,8xV100,8xA100-pcie,2x4xV100"
@@ -42,7 +42,7 @@ def run(models: list[str], clusters: list[str], planners: list[str], size: str) 
                 try:
                     strategy = fastt.plan(graph, cl, p)
                 except FasttError:
-                    if p not in EXPERTS:
+                    if p not in OPTIONAL:
                         raise
                     bar.update()  # an expert plan that does not apply here (no tables, ...): "-" in the table
                     continue

@@ -24,7 +24,7 @@ from .errors import FasttError
 from .graph import OpGraph
 from .launch import training_options
 from .plan import PLANNERS, get_planner
-from .plan.mixed import EXPERTS
+from .plan.portfolio import OPTIONAL
 from .report import format_run, write_gantt, write_trace
 from .simulate import inter_node_bytes
 from .split import graph_for
@@ -94,7 +94,7 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
             try:
                 strategy = api.plan(graph, cl, p, budget_s=budget_s)
             except FasttError as e:
-                if p not in EXPERTS:
+                if p not in OPTIONAL:
                     raise
                 rows.append({"model": m, "planner": p, "skipped": str(e)})  # an expert plan that does not apply
                 bar.update()
@@ -297,7 +297,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
         print(json.dumps({"cluster": spec, "results": rows}) if a.json else format_table(rows, cl) + "\n")
     # Where data parallelism waits on the network between nodes: the experts' mixed plans and fastt's choice.
     cl = cluster(a.mixed_cluster)
-    rows = compare(a.mixed_models.split(","), cl, ["fastt", "dp", "os-dpos", *EXPERTS], "paper", None, "sgd",
+    rows = compare(a.mixed_models.split(","), cl, ["fastt", "dp", "os-dpos", *OPTIONAL], "paper", None, "sgd",
                    progress=not a.json)
     print(json.dumps({"cluster": a.mixed_cluster, "results": rows}) if a.json else
           "Mixed plans, where DP's gradients cross the nodes:\n" + format_table(rows, cl))

@@ -56,7 +56,7 @@ class Cluster:
     way) unless `gather` is set: fastt's distributed runtime, whose ranks average by collectives that sum in
     replica order. `gather` = (latency s, s per byte, s per gradient tensor) of one average between two devices,
     fitted on measured ones; n devices take (n-1)·latency + 2(n-1)/n·bytes·(s per byte) + tensors·(s per tensor),
-    as the runtime's sharded sum goes (`simulate._allreduce_cost`)."""
+    as the runtime's sharded sum goes (`allreduce_cost`)."""
 
     name: str
     devices: tuple[Device, ...]
@@ -77,6 +77,29 @@ class Cluster:
             return 0.0
         links = [self.links[k] for k in self.routes[src, dst]]
         return sum(lk.latency for lk in links) + nbytes / min(lk.bandwidth for lk in links)
+
+    def allreduce_cost(self, group: Sequence[int]) -> tuple[tuple[int, ...], float, float, float]:
+        """Links, fixed seconds, seconds per byte and per tensor of an allreduce over `group` (in ring order).
+
+        Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth,
+        plus one route latency per step (the largest, since all neighbours step together).
+        Fitted (`gather`, fastt's distributed runtime): the two-device average scaled to n as its sharded sum goes
+        (an all_to_all, then an all_gather): 2(n-1)/n of the bytes, n-1 latencies, the per-tensor work once; it
+        occupies the links between all of them.
+        """
+        n = len(group)
+        if n == 1:
+            return (), 0.0, 0.0, 0.0
+        if self.gather is not None:
+            hops = [self.route(a, b) for a in group for b in group if a != b]
+            latency, per_byte, per_tensor = self.gather
+            links = tuple(sorted({lk for h in hops for lk in h}))
+            return links, (n - 1) * latency, 2 * (n - 1) / n * per_byte, per_tensor
+        hops = [self.route(group[k], group[(k + 1) % n]) for k in range(n)]
+        links = tuple(sorted({lk for h in hops for lk in h}))
+        slowest = min(self.links[lk].bandwidth for lk in links)
+        latency = max(sum(self.links[lk].latency for lk in h) for h in hops)
+        return links, 2 * (n - 1) * latency, 2 * (n - 1) / n / slowest, 0.0
 
 
     def to_dict(self) -> dict[str, Any]:

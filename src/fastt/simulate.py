@@ -378,7 +378,7 @@ def _prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[
             f.sort(key=lambda x: x.dst)  # transfers of one op are requested in device order
     seeds = [(0.0, 0, r, -1, None) for r in sorted(holders) if fanout[r]]
     order = [[index[name] for name in names] + [-1] for names in strategy.order]
-    ar_cost = {grp: _allreduce_cost(cluster, grp) for grp in set(group.values())}
+    ar_cost = {grp: cluster.allreduce_cost(grp) for grp in set(group.values())}
     rel = list(range(len(ops)))
     for name, r in release.items():
         i, k = index[name], index[r]
@@ -459,29 +459,6 @@ def _route_tables(cluster: Cluster) -> tuple[list, list, list]:
 def _allreduce_bytes(op: Op) -> int:
     """Bytes an allreduce aggregates: its output, or the largest input if the output is written in place."""
     return max(op.out_bytes, *op.in_bytes, 0)
-
-
-def _allreduce_cost(cluster: Cluster, group: tuple[int, ...]) -> tuple[tuple[int, ...], float, float, float]:
-    """Links, fixed seconds, seconds per byte and per tensor of an allreduce over `group`.
-
-    Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth, plus
-    one route latency per step (the largest, since all neighbours step together).
-    Fitted (`Cluster.gather`, fastt's distributed runtime): the two-device average scaled to n as its sharded
-    sum goes (an all_to_all, then an all_gather): 2(n-1)/n of the bytes, n-1 latencies, the per-tensor work
-    once; it occupies the links between all of them.
-    """
-    n = len(group)
-    if n == 1:
-        return (), 0.0, 0.0, 0.0
-    if cluster.gather is not None:
-        hops = [cluster.route(a, b) for a in group for b in group if a != b]
-        latency, per_byte, per_tensor = cluster.gather
-        return tuple(sorted({lk for h in hops for lk in h})), (n - 1) * latency, 2 * (n - 1) / n * per_byte, per_tensor
-    hops = [cluster.route(group[k], group[(k + 1) % n]) for k in range(n)]
-    links = tuple(sorted({lk for h in hops for lk in h}))
-    slowest = min(cluster.links[lk].bandwidth for lk in links)
-    latency = max(sum(cluster.links[lk].latency for lk in h) for h in hops)
-    return links, 2 * (n - 1) * latency, 2 * (n - 1) / n / slowest, 0.0
 
 
 def _memory(g: OpGraph, p: _Plan, start: np.ndarray, end: np.ndarray, transfers: tuple[Transfer, ...],

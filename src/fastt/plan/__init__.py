@@ -14,8 +14,10 @@ from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device
 from .dpos import dpos
 from .heft import heft
-from .mixed import best_plan, owt, pipeline, table_wise
+from .mixed import owt, pipeline, table_wise
 from .osdpos import fastt_planner
+from .portfolio import best_plan
+from .search import search
 
 Planner = Callable[[OpGraph, Cluster], Strategy]
 
@@ -32,6 +34,7 @@ PLANNERS: dict[str, Planner] = {
     "owt": owt,
     "table-wise": table_wise,
     "pipeline": pipeline,
+    "search": search,
 }
 
 

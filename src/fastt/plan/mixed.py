@@ -8,8 +8,8 @@ nothing crosses a link); on a node's devices it is replicated there only; layers
 are a pipeline whose micro-batches are the shards. A parameter is held by the devices its layer's shards run on,
 each applies its update once (`graph.duplicate_updates`), and its gradient is allreduced among them only.
 
-The expert planners are spreads chosen as experts choose them (each raises FasttError where it does not apply),
-and `fastt` keeps the fastest of OS-DPOS's plan and theirs (`best_plan`):
+The expert planners are spreads chosen as experts choose them (each raises FasttError where it does not apply);
+`fastt` keeps the fastest of theirs, the spread search's (search.py) and OS-DPOS's (portfolio.py):
 - `owt` (Krizhevsky's one weird trick): layers of convolutions and attention data-parallel, the other matrix
   multiplications and embeddings each held once, spread over the devices by their work;
 - `table-wise` (TorchRec's table-wise sharding): each embedding table held once, spread by bytes, the rest DP;
@@ -19,7 +19,6 @@ and `fastt` keeps the fastest of OS-DPOS's plan and theirs (`best_plan`):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -40,7 +39,6 @@ from ..layers import Layers, layers
 from ..split import graph_for
 from ..strategy import Strategy
 from .common import plan_costs, strategy_from
-from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .schedule import ByRank, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
@@ -223,25 +221,3 @@ def pipeline(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
 
 
 EXPERTS = {"owt": owt, "table-wise": table_wise, "pipeline": pipeline}
-
-
-def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
-              measured: MeasuredCosts | None = None) -> Strategy:
-    """The `fastt` planner: the fastest simulated of the expert plans that apply and OS-DPOS's plan, plans that fit
-    first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first; OS-DPOS's
-    split search gets what is left of `budget_s`."""
-    deadline = time.perf_counter() + budget_s
-    candidates = []
-    for name, expert in EXPERTS.items():
-        try:
-            if name == "pipeline" and measured is not None:
-                # Op times were measured at the batch and at its share per device: cut the batch no finer, so
-                # the plans compared are all costed by measurement (finer shards would be roofline guesses).
-                candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
-            else:
-                candidates.append(expert(graph, cluster, measured))
-        except FasttError:
-            continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
-    candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
-    best = min(candidates, key=lambda s: _judge(graph_for(graph, s), s, cluster, measured))
-    return replace(best, planner="fastt")

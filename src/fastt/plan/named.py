@@ -9,8 +9,8 @@ from ..cost import MeasuredCosts
 from ..graph import OpGraph
 from ..strategy import Strategy
 from . import get_planner
-from .mixed import best_plan
 from .osdpos import DEFAULT_BUDGET_S, os_dpos
+from .portfolio import best_plan
 
 
 def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | None = None,

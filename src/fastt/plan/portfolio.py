@@ -1,0 +1,45 @@
+"""The `fastt` planner: a portfolio of the expert plans, the spread search's and OS-DPOS's, judged by simulation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..cluster import Cluster
+from ..cost import MeasuredCosts
+from ..errors import FasttError
+from ..graph import OpGraph
+from ..split import graph_for
+from ..strategy import Strategy
+from .mixed import EXPERTS, _stages_per_group, pipeline
+from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
+from .search import spread_plans
+
+OPTIONAL = (*EXPERTS, "search")  # planners that raise FasttError where they do not apply
+SEARCH_S = 4.0  # at most this much of the budget for the spread search; OS-DPOS's split search gets the rest
+
+
+def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
+              measured: MeasuredCosts | None = None) -> Strategy:
+    """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
+    first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first, the spread
+    search takes half of `budget_s` (at most SEARCH_S), and OS-DPOS's split search what is left."""
+    deadline = time.perf_counter() + budget_s
+    candidates = []
+    for name, expert in EXPERTS.items():
+        try:
+            if name == "pipeline" and measured is not None:
+                # Op times were measured at the batch and at its share per device: cut the batch no finer, so
+                # the plans compared are all costed by measurement (finer shards would be roofline guesses).
+                candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
+            else:
+                candidates.append(expert(graph, cluster, measured))
+        except FasttError:
+            continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
+    try:
+        candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s / 2))
+    except FasttError:
+        pass  # one device, or a batch that does not cut into one shard a device
+    candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
+    best = min(candidates, key=lambda s: _judge(graph_for(graph, s), s, cluster, measured))
+    return replace(best, planner="fastt")

@@ -1,0 +1,356 @@
+"""The spread search: an ILP that gives every layer a `Spread` (mixed.py), solved by scipy's HiGHS.
+
+The batch is cut into one shard a device (R = n). A layer may take one of a few spreads: every device (data
+parallelism), the devices of one node (replicated there only) or one device (held once). What a choice costs is
+read from the step at batch/R, layer by layer (`SpreadCosts`):
+
+- compute: shards on a device x the layer's time a shard there, plus its update once on each device of the spread,
+  plus, on a device outside the spread, one shard's time in the layer: its shards pass through it elsewhere before
+  they come back (a pipeline's fill and drain);
+- the layer's gradient allreduce over its spread (`Cluster.allreduce_cost`), charged to every link the ring uses;
+- the activations and their gradients between two layers, moved for each shard whose devices differ under the
+  two layers' spreads, charged to the links of that route (Alpa's resharding cost, per pair of choices);
+- memory on a device: the residents of the layers held there (parameters, optimizer state, buffers) and the
+  activations and gradients of the shards it runs, within its capacity.
+
+The objective is the step's makespan bound: T at least every device's compute and every link's traffic (they
+overlap), or, in the second model, a device's compute plus the busiest link it uses (they do not). Neither is
+the truth; the simulator is, and `fastt` (mixed.best_plan) keeps whichever of the two plans simulates faster,
+beside the expert plans and OS-DPOS's. A pair of choices per edge is linearised by Alpa's trick: y[e, a, b] >= 0
+with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only the x are integers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.optimize
+import scipy.sparse
+
+from ..cluster import Cluster
+from ..cost import MeasuredCosts, op_times
+from ..errors import FasttError
+from ..graph import ALLREDUCE, PARAM, RESIDENT, UPDATE, OpGraph, rebatch, replicable
+from ..layers import Layers, layers
+from ..split import graph_for
+from ..strategy import Strategy
+from .mixed import Spread, mixed_strategy
+from .osdpos import _judge
+
+TIE = 1e-3  # weight of the total work beside the makespan: of two plans as fast, the one that does less
+
+
+def choices(cluster: Cluster) -> list[Spread]:
+    """The spreads a layer may take: every device, each node's devices (on several nodes), each device."""
+    n = len(cluster.devices)
+    nodes = sorted({d.node for d in cluster.devices})
+    out = [Spread(tuple(range(n)))]
+    if len(nodes) > 1:
+        out += [Spread(tuple(i for i, d in enumerate(cluster.devices) if d.node == j)) for j in nodes]
+    out += [Spread((d,)) for d in range(n)] if n > 1 else []
+    return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class SpreadCosts:
+    """The ILP's coefficients for K layers, C choices, D devices, L links and E layer pairs that exchange data.
+
+    compute[k, c, d]: seconds on device d's path; links[k, c, l]: seconds on link l (the allreduce); memory[k, c, d]:
+    bytes on d; pairs[e] = (u, v) and moves[e, a, b, l]: seconds on link l of the data between layers u and v
+    when u takes choice a and v choice b, hops[e, a, b] the seconds a shard's path waits for them; uses[d]: the links device d's transfers and rings use."""
+
+    spreads: tuple[Spread, ...]
+    compute: np.ndarray
+    links: np.ndarray
+    memory: np.ndarray
+    capacity: np.ndarray
+    pairs: tuple[tuple[int, int], ...]
+    moves: np.ndarray
+    hops: np.ndarray
+    uses: tuple[tuple[int, ...], ...]
+
+    def loads(self, pick: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seconds per device: compute and its path's transfers, seconds per link, bytes per device) when layer k
+        takes choice pick[k]."""
+        k = np.arange(len(pick))
+        link = self.links[k, pick].sum(axis=0)
+        path = 0.0
+        for e, (u, v) in enumerate(self.pairs):
+            link = link + self.moves[e, pick[u], pick[v]]
+            path += self.hops[e, pick[u], pick[v]]
+        return self.compute[k, pick].sum(axis=0) + path, link, self.memory[k, pick].sum(axis=0)
+
+    def objective(self, pick: Sequence[int], overlap: bool) -> float:
+        """The makespan bound the ILP minimises (module docstring), inf where a device's memory overflows."""
+        compute, link, memory = self.loads(pick)
+        if (memory > self.capacity).any():
+            return float("inf")
+        if overlap:
+            span = max(compute.max(), link.max(initial=0.0))
+        else:
+            span = max(compute[d] + max((link[lk] for lk in self.uses[d]), default=0.0) for d in range(len(compute)))
+        return float(span + TIE * (compute.sum() + link.sum()))
+
+
+    def merged(self, groups: Sequence[Sequence[int]]) -> SpreadCosts:
+        """The costs of blocks of layers that take one choice together (`groups[b]`: the layers of block b)."""
+        block = np.empty(len(self.compute), dtype=int)
+        for b, members in enumerate(groups):
+            block[list(members)] = b
+        pairs: dict[tuple[int, int], int] = {}
+        for u, v in self.pairs:
+            bu, bv = sorted((int(block[u]), int(block[v])))
+            if bu != bv:
+                pairs.setdefault((bu, bv), len(pairs))
+        moves = np.zeros((len(pairs), *self.moves.shape[1:]))
+        hops = np.zeros((len(pairs), *self.hops.shape[1:]))
+        for e, (u, v) in enumerate(self.pairs):
+            key = (int(block[u]), int(block[v]))
+            if key[0] == key[1]:
+                continue
+            f = pairs[tuple(sorted(key))]
+            flip = key[0] > key[1]  # the pair's choices are (its lower block's, its higher's)
+            moves[f] += self.moves[e].swapaxes(0, 1) if flip else self.moves[e]
+            hops[f] += self.hops[e].T if flip else self.hops[e]
+
+        def total(a: np.ndarray) -> np.ndarray:
+            return np.stack([a[list(m)].sum(axis=0) for m in groups])
+        return SpreadCosts(self.spreads, total(self.compute), total(self.links), total(self.memory), self.capacity,
+                           tuple(pairs), moves, hops, self.uses)
+
+
+def blocks(costs: SpreadCosts, params: Sequence[float], limit: int = 32) -> list[list[int]]:
+    """At most about `limit` blocks of consecutive layers for the search, so that a 24-block transformer (some 200
+    layers) is solved in seconds: a layer with a large share of the parameters (an embedding, a large fully
+    connected layer: the ones worth holding once) stays a block of its own, the others are merged in order
+    until a block has 1/limit of the work."""
+    work = costs.compute[:, 0].sum(axis=1)
+    big = np.asarray(params) >= sum(params) / limit
+    out: list[list[int]] = []
+    for k in range(len(work)):
+        if big[k] or not out or big[out[-1][-1]] or work[out[-1]].sum() + work[k] > work.sum() / limit:
+            out.append([k])
+        else:
+            out[-1].append(k)
+    return out
+
+
+def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: float) -> list[int]:
+    """Local search on the objective from `pick`: the best of giving one block, or every block before or after
+    one (a pipeline's cut), another choice, taken while it helps (or until the deadline)."""
+    K, C = len(pick), len(costs.spreads)
+    moves = [range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K)] + [range(k, K) for k in range(1, K - 1)]
+    pick = list(pick)
+    best = costs.objective(pick, overlap)
+    while time.perf_counter() < deadline:
+        found = None
+        for span in moves:
+            for c in range(C):
+                trial = [c if k in span else x for k, x in enumerate(pick)]
+                value = costs.objective(trial, overlap)
+                if value < best - 1e-12:
+                    found, best = trial, value
+        if found is None:
+            break
+        pick = found
+    return pick
+
+
+def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: MeasuredCosts | None = None
+                 ) -> SpreadCosts:
+    """The coefficients of `graph`'s layers `found` on `cluster`, read from the step at batch/n (module docstring)."""
+    n, nl = len(cluster.devices), len(cluster.links)
+    spreads = tuple(choices(cluster))
+    sub = rebatch(graph, graph.batch // n)
+    times = op_times(sub, cluster, measured)
+    of = [found.of[graph.index[op.name]] if op.name in graph.index else -1 for op in sub.ops]
+    shards = np.array([[sum(1 for s in range(n) if c.device(s, n) == d) for d in range(n)] for c in spreads])
+    held = np.array([[d in c.devices for d in range(n)] for c in spreads], dtype=float)
+    K, C = len(found), len(spreads)
+    work = np.zeros((K, n))  # seconds a shard, per device
+    update = np.zeros((K, n))  # seconds of the updates, once a device
+    resident = np.zeros(K)
+    per_shard = np.zeros(K)  # bytes a shard keeps: activations and its gradients
+    grads = np.zeros(K)
+    tensors = np.zeros(K)
+    for i, op in enumerate(sub.ops):
+        k = of[i]
+        if k < 0 or op.kind == ALLREDUCE:
+            continue
+        if op.kind in RESIDENT:
+            resident[k] += op.out_bytes
+            if op.kind == PARAM:
+                grads[k] += op.out_bytes
+                tensors[k] += 1
+        elif op.kind == UPDATE:
+            update[k] += times[i]
+        else:
+            work[k] += times[i]
+            per_shard[k] += op.out_bytes if found.forward[graph.index[op.name]] else 0
+    # a device waits for what its shards pass through elsewhere: a shard's time in every layer not held on d
+    # (a pipeline's fill and drain; nothing under data parallelism, where every layer is on every device)
+    elsewhere = (work[:, None, :] * held[None, :, :]).sum(axis=2) / held.sum(axis=1)[None, :]
+    compute = (shards[None, :, :] * work[:, None, :] + held[None, :, :] * update[:, None, :]
+               + (1 - held[None, :, :]) * elsewhere[:, :, None])
+    memory = held[None, :, :] * resident[:, None, None] + shards[None, :, :] * (per_shard + grads)[:, None, None]
+    links = np.zeros((K, C, nl))
+    for c, spread in enumerate(spreads):
+        used, fixed, per_byte, per_tensor = cluster.allreduce_cost(spread.devices)
+        for lk in used:
+            links[:, c, lk] = np.where(grads > 0, fixed + per_byte * grads + per_tensor * tensors, 0.0)
+    pairs, moves, hops = _moves(sub, of, cluster, spreads)
+    uses = tuple(tuple(sorted({lk for e in range(n) if e != d for lk in (*cluster.route(d, e), *cluster.route(e, d))}))
+                 for d in range(n))
+    capacity = np.array([dev.memory_bytes for dev in cluster.devices], dtype=float)
+    return SpreadCosts(spreads, compute, links, memory, capacity, pairs, moves, hops, uses)
+
+
+def _moves(sub: OpGraph, of: Sequence[int], cluster: Cluster, spreads: Sequence[Spread]
+           ) -> tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]:
+    """The layer pairs that exchange tensors, the link seconds of moving them per pair of choices, and the
+    seconds one shard's tensors spend on their way (the slowest shard's route): its path waits for them."""
+    n, nl = len(cluster.devices), len(cluster.links)
+    sent: dict[tuple[int, int], np.ndarray] = {}  # (from, to) layer -> (tensors, bytes), once per reader layer
+    for i, op in enumerate(sub.ops):
+        if of[i] < 0 or op.kind == ALLREDUCE:
+            continue
+        for k in {of[s] for s in sub.succs[i]} - {of[i], -1}:
+            sent[of[i], k] = sent.get((of[i], k), np.zeros(2)) + (1, op.out_bytes)
+    per = np.zeros((n, n, nl, 2))  # link seconds per tensor and per byte from device x to y
+    for x in range(n):
+        for y in range(n):
+            for lk in cluster.route(x, y):
+                per[x, y, lk] = cluster.links[lk].latency, 1.0 / cluster.links[lk].bandwidth
+    apart = np.zeros((len(spreads), len(spreads), n, n))  # shards on x under choice a and on y != x under b
+    for a, sa in enumerate(spreads):
+        for b, sb in enumerate(spreads):
+            for s in range(n):
+                x, y = sa.device(s, n), sb.device(s, n)
+                apart[a, b, x, y] += x != y
+    route = np.zeros((n, n, 2))  # a transfer's seconds per tensor and per byte over its route from x to y
+    for x in range(n):
+        for y in range(n):
+            if x != y:
+                links = [cluster.links[lk] for lk in cluster.route(x, y)]
+                route[x, y] = sum(lk.latency for lk in links), 1.0 / min(lk.bandwidth for lk in links)
+    pairs = tuple(sorted({(min(u, v), max(u, v)) for u, v in sent}))
+    none = np.zeros(2)
+    C = len(spreads)
+    there_per = np.einsum("abxy,xylt->ablt", apart, per)  # link seconds per (tensor, byte) sent u -> v
+    back_per = np.einsum("abxy,yxlt->ablt", apart, per)  # and v -> u
+    moved = apart > 0
+    moves, hops = np.zeros((len(pairs), C, C, nl)), np.zeros((len(pairs), C, C))
+    for e, (u, v) in enumerate(pairs):
+        there, back = sent.get((u, v), none), sent.get((v, u), none)
+        moves[e] = there_per @ there + back_per @ back
+        trip = route @ there + np.swapaxes(route, 0, 1) @ back  # [x, y]: a shard there and its gradient back
+        hops[e] = np.where(moved, trip[None, None], 0.0).max(axis=(2, 3))
+    return pairs, moves, hops
+
+
+def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[int] | None:
+    """The choice per layer minimising `costs.objective(., overlap)`, by HiGHS; None if no choice fits memory."""
+    K, C, D = costs.compute.shape
+    L, E = costs.links.shape[2], len(costs.pairs)
+    nx, ny = K * C, E * C * C
+    nv = nx + ny + 1  # x[k, c], y[e, a, b], T
+
+    def xi(k: int, c: int) -> int:
+        return k * C + c
+
+    def yi(e: int, a: int, b: int) -> int:
+        return nx + (e * C + a) * C + b
+
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def row(entries: Sequence[tuple[int, float]], low: float, high: float) -> None:
+        r = len(lo)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        lo.append(low)
+        hi.append(high)
+
+    for k in range(K):
+        row([(xi(k, c), 1.0) for c in range(C)], 1.0, 1.0)
+    for e, (u, v) in enumerate(costs.pairs):
+        for a in range(C):
+            row([(yi(e, a, b), 1.0) for b in range(C)] + [(xi(u, a), -1.0)], 0.0, 0.0)
+            row([(yi(e, b, a), 1.0) for b in range(C)] + [(xi(v, a), -1.0)], 0.0, 0.0)
+
+    nz = np.nonzero(costs.hops)
+    path = [(yi(e, a, b), costs.hops[e, a, b]) for e, a, b in zip(*nz)]
+
+    def device_terms(d: int) -> list[tuple[int, float]]:
+        return [(xi(k, c), costs.compute[k, c, d]) for k in range(K) for c in range(C) if costs.compute[k, c, d]
+                ] + path
+
+    def link_terms(lk: int) -> list[tuple[int, float]]:
+        terms = [(xi(k, c), costs.links[k, c, lk]) for k in range(K) for c in range(C) if costs.links[k, c, lk]]
+        nz = np.nonzero(costs.moves[:, :, :, lk])
+        return terms + [(yi(e, a, b), costs.moves[e, a, b, lk]) for e, a, b in zip(*nz)]
+
+    links = [link_terms(lk) for lk in range(L)]
+    for d in range(D):
+        if overlap:
+            row([*device_terms(d), (nv - 1, -1.0)], -np.inf, 0.0)
+        else:
+            for lk in costs.uses[d] or (None,):
+                row([*device_terms(d), *(links[lk] if lk is not None else ()), (nv - 1, -1.0)], -np.inf, 0.0)
+        row([(xi(k, c), costs.memory[k, c, d]) for k in range(K) for c in range(C)], -np.inf, costs.capacity[d])
+    if overlap:
+        for lk in range(L):
+            if links[lk]:
+                row([*links[lk], (nv - 1, -1.0)], -np.inf, 0.0)
+    objective = np.zeros(nv)
+    objective[nv - 1] = 1.0
+    objective[:nx] = TIE * (costs.compute.sum(axis=2) + costs.links.sum(axis=2)).ravel()
+    objective[nx:nx + ny] = TIE * costs.moves.sum(axis=3).ravel()
+    a = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(lo), nv))
+    integral = np.zeros(nv)
+    integral[:nx] = 1
+    res = scipy.optimize.milp(objective, constraints=scipy.optimize.LinearConstraint(a, lo, hi),
+                              integrality=integral, bounds=scipy.optimize.Bounds(0, np.r_[np.ones(nv - 1), np.inf]),
+                              options={"time_limit": time_limit_s})
+    if res.x is None:
+        return None
+    return [int(np.argmax(res.x[k * C:(k + 1) * C])) for k in range(K)]
+
+
+def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
+                 budget_s: float = 4.0) -> list[Strategy]:
+    """The plans of the search under both models (module docstring), one shard a device: for each, coordinate
+    descent from data parallelism, and the ILP's optimum where HiGHS finds one within its share of `budget_s`.
+    FasttError where the step cannot be cut into one shard a device."""
+    deadline = time.perf_counter() + budget_s
+    n = len(cluster.devices)
+    if n < 2 or not replicable(graph, n):
+        raise FasttError(f"spread search: batch {graph.batch} does not split into {n} shards")
+    found = layers(graph)
+    per_layer = spread_costs(graph, cluster, found, measured)
+    groups = blocks(per_layer, [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers])
+    costs = per_layer.merged(groups)
+    picks: list[list[int]] = []
+    for overlap in (True, False):
+        picks.append(descend(costs, overlap, [0] * len(groups), deadline))
+        left = (deadline - time.perf_counter()) / (2 if overlap else 1)
+        optimum = solve(costs, overlap, left) if left > 0.05 else None
+        if optimum is not None:
+            picks.append(optimum)
+    out = []
+    for pick in {tuple(p): p for p in picks if any(p)}.values():  # data parallelism is planned elsewhere
+        spreads = [costs.spreads[pick[b]] for b, members in enumerate(groups) for _ in members]  # blocks in order
+        out.append(mixed_strategy(graph, cluster, n, spreads, found, "search", measured))
+    return out
+
+
+def search(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
+    """The `search` planner: the fastest simulated of `spread_plans`, data parallelism where none is better."""
+    plans = spread_plans(graph, cluster, measured)
+    if not plans:
+        raise FasttError("spread search: no spread of the layers beats data parallelism on its cost model")
+    return min(plans, key=lambda s: _judge(graph_for(graph, s), s, cluster, measured))
