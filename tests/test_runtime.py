@@ -100,9 +100,10 @@ def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> Non
     replicas' mean does against one device's sum, and in models with batch norm such a difference grows to
     order 1 within a few steps (resnet50: 7e-6, then 5e-2). So a plan with splits or replicas is compared step
     by step, each step from the same state as eager's, and an element may also differ by 1e-5 of its tensor's
-    largest magnitude (`assert_same(scaled=True)`)."""
+    largest magnitude (`assert_same(scaled=True)`). The `fastt` planner's own plan, not the faster of it and
+    data parallelism (`trial=False`)."""
     ref, ours = pair(name)
-    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner, trial=False)
     stepwise = bool(step.strategy.splits) or step.strategy.replicas > 1
     for i in range(100 if FULL else 3):
         batch = fresh_batch(ref, i)

@@ -234,7 +234,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN, cuDNN off).
     with torch.backends.mkldnn.flags(enabled=not rnn), torch.backends.cudnn.flags(enabled=not rnn):
-        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm)
+        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
     print(json.dumps(out) if a.json else format_run(out))
 
 
@@ -263,6 +263,7 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
                "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
                "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
                *(["--check"] if a.check else []), *(["--tune"] if a.tune else []),
+               *([] if a.trial else ["--no-trial"]),
                *(["--clip-grad-norm", str(a.clip_grad_norm)] if a.clip_grad_norm is not None else []),
                *(["--data", a.data] if a.data else [])]
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)

@@ -110,6 +110,7 @@ def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
     from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
     from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
+    from .runtime.trial import TRIAL_STEPS
     from .workload import load_workload
 
     rank, device = dist.get_rank(), rank_device()
@@ -131,9 +132,11 @@ def train(args: argparse.Namespace) -> dict | None:
                             "simulated_iteration_s": None, "error": None})
             continue
         strategy = Strategy.load(args.strategy) if args.strategy else None
+        t0 = time.perf_counter()
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
-                                       timeout_s=args.timeout, tune=args.tune and planner == "fastt",
-                                       clip_grad_norm=clip)
+                                       timeout_s=args.timeout, trial_steps=TRIAL_STEPS if args.trial else 0,
+                                       tune=args.tune and planner == "fastt", clip_grad_norm=clip)
+        setup_s = time.perf_counter() - t0
         if args.save_plans and rank == 0:
             os.makedirs(args.save_plans, exist_ok=True)
             step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
@@ -158,7 +161,8 @@ def train(args: argparse.Namespace) -> dict | None:
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits), "trial": step.trial,
+                        "splits": len(step.strategy.splits), "setup_s": setup_s,
+                        "trial": step.trial._asdict() if step.trial else None,
                         "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None})
         if step_diffs:
             results[-1]["max_step_rel_diff"] = results[-1]["max_param_rel_diff"] = max(step_diffs)
@@ -176,9 +180,9 @@ def train(args: argparse.Namespace) -> dict | None:
 
 def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None) -> float:
     """Rank 0's median eager step time (after the first); the other ranks wait."""
-    from .runtime.bench import timed
     from .runtime.distributed import alone_on_rank0
     from .runtime.reference import batch_like, eager_step
+    from .runtime.trial import timed
 
     def run() -> float:
         times = []
@@ -196,6 +200,9 @@ def training_options(p: argparse.ArgumentParser) -> None:
     """The options of a training run that `fastt run` shares."""
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip the gradients' global norm to X every step (torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--no-trial", dest="trial", action="store_false",
+                   help="keep fastt's plan unmeasured: no trial steps racing it against data parallelism before "
+                        "training (FastT's rule: the faster is kept)")
     p.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                    help="torchrun: train on the torch Dataset this function returns (items: the model's inputs "
                         "and target), each rank reading its shard of every batch (DistributedSampler; batches of "

@@ -126,14 +126,21 @@ def _placed(timeline: Timeline) -> list[int]:
 
 
 def format_run(out: dict) -> str:
-    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner."""
+    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner, the
+    time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism kept."""
     lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
              "(median step time after the first)")]
     for r in out["results"]:
         sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
         err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
+        setup = f"  setup {r['setup_s']:.1f} s" if r.get("setup_s") is not None else ""
         lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
-                     f"simulated {sim} ms  {err}")
+                     f"simulated {sim} ms  {err:>5}{setup}".rstrip())
+    for r in out["results"]:
+        if t := r.get("trial"):
+            lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, dp "
+                         f"{t['dp_s'] * 1e3:.1f} ms a step (median of {t['steps']}): kept {t['kept']} (its setup "
+                         "time includes the trial)")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:
         runs = len(tuned[0]["tuning"])

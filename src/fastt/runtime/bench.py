@@ -11,21 +11,10 @@ import torch
 from ..cluster import cluster, torch_device
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
 from .step import parallelize
+from .trial import timed
 from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
-
-
-def timed(fn: Callable, *args: object) -> float:
-    """Wall seconds of fn(*args), with the GPU's queued work included when it runs on one."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*args)
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def _placed(make: Callable[[], Workload], home: str) -> Workload:
@@ -35,13 +24,15 @@ def _placed(make: Callable[[], Workload], home: str) -> Workload:
 
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
-                 check: bool, tune: bool = False, clip_grad_norm: float | None = None) -> dict:
+                 check: bool, tune: bool = False, clip_grad_norm: float | None = None, trial: bool = True) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
-    its plan in the first steps: the median over the steps after tuning). With `check`, every step is also taken
-    by the plain one-device eager step from the same state (`take_state`), with the worker devices' thread count,
-    and the largest relative difference of any parameter after a step is reported. On GPUs
+    its plan in the first steps: the median over the steps after tuning). `setup_s`: what `parallelize` took,
+    the `fastt` planner's trial against data parallelism included (`trial=False`: its plan unmeasured). With
+    `check`, every step is also taken by the plain one-device eager step from the same state (`take_state`), with
+    the worker devices' thread count, and the largest relative difference of any parameter after a step is
+    reported. On GPUs
     the model lives on the first device, and `eager` is plain PyTorch there. `clip_grad_norm`: every step clips
     the gradients' global norm (`torch.nn.utils.clip_grad_norm_`), eager's too.
     """
@@ -56,8 +47,10 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                             "simulated_iteration_s": None, "error": None})
             continue
         tuner = Tuner() if tune and planner == "fastt" else None
+        t0 = time.perf_counter()
         step = parallelize(model, loss_fn, opt, inputs, devices, planner, tune=tuner or False,
-                           clip_grad_norm=clip_grad_norm)
+                           clip_grad_norm=clip_grad_norm, trial=trial)
+        setup_s = time.perf_counter() - t0
         ref = _placed(make, home) if check else None
         times, tuned = [], 0
         for b in batches:
@@ -73,7 +66,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits),
+                        "splits": len(step.strategy.splits), "setup_s": setup_s,
+                        "trial": step.trial._asdict() if step.trial else None,
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None, "clip_grad_norm": clip_grad_norm}

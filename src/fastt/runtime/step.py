@@ -23,6 +23,7 @@ from ..plan.basic import data_parallel
 from ..strategy import Strategy
 from .decide import decide, tuner_of
 from .local import Placed, place, run_step
+from .trial import Trial, raced, trial_steps
 from .tune import Tuner
 
 
@@ -38,6 +39,7 @@ class PlacedStep:
     tuner: Tuner | None
     placed: Placed
     targets: Sequence[torch.device] | None = None  # what plans are compiled for (`place`); None: the cluster's
+    trial: Trial | None = None  # fastt's plan raced against data parallelism before training (`runtime.trial`)
 
     @property
     def strategy(self) -> Strategy:
@@ -95,16 +97,20 @@ def busy_devices(strategy: Strategy) -> int:
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
-                clip_grad_norm: float | None = None, accumulate: int = 1) -> ParallelStep:
+                clip_grad_norm: float | None = None, accumulate: int = 1, trial: bool | int = True) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
     the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
     runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
     the optimizer's state stay there, the truth).
 
     Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
-    planner plans with them. `tune=True` (or a configured `Tuner`) starts from data parallelism when it fits and
-    runs FastT's tuning loop during the first steps. `clip_grad_norm` clips the gradients to that global norm
-    before every update, as `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
+    planner plans with them, and keeps its plan only if it measures faster than data parallelism (FastT's rule):
+    both run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that many;
+    False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial` has the
+    medians and which plan was kept (`fastt.runtime.trial`). `tune=True` (or a configured `Tuner`) instead
+    starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
+    `clip_grad_norm` clips the gradients to that global norm before every update, as
+    `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
     `accumulate=k` takes each step's batch as k micro-batches per device, one after the other, and updates once
     with the whole batch's gradient (gradient accumulation: a device holds one micro-batch's activations): the
     plan is data parallelism over the micro-batches (`plan.basic.data_parallel`).
@@ -133,8 +139,15 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         return measure_step(graph, model, optimizer, example_inputs, batches, threads, busy)
 
     chosen = decide(graph, cl, n_devices=n, planner=planner, strategy=strategy, tuner=tuner, measure=measure)
-    placed = place(graph, chosen.strategy, cl, chosen.costs)
-    return ParallelStep(model, optimizer, graph, cl, chosen.costs, placed, threads, tuner)
+
+    def placed(s: Strategy, tuning: Tuner | None = None) -> ParallelStep:
+        return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs), threads,
+                            tuning)
+
+    step = placed(chosen.strategy, tuner)
+    if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
+        step = raced(step, placed, example_inputs, trial_steps(trial))
+    return step
 
 
 def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:

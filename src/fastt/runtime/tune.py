@@ -44,6 +44,12 @@ def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluste
     return MeasuredCosts(costs.kind, costs.threads, {**costs.seconds, **fitted})
 
 
+def settled(samples: Sequence[float]) -> float:
+    """A plan's step time: the median of its steps after the first (which warms up caches and the allocator
+    after a plan change). How the tuner and the trial before training (`fastt.runtime.trial`) measure a plan."""
+    return statistics.median(samples[1:] or samples)
+
+
 def change(old: MeasuredCosts, new: MeasuredCosts) -> float:
     """The median relative change of the op times both tables have."""
     rel = [abs(new.seconds[k] - v) / v for k, v in old.seconds.items() if v > 0 and k in new.seconds]
@@ -87,7 +93,7 @@ class Tuner:
         self._timings += timings
         if len(self._samples) < self.window:
             return
-        measured = statistics.median(self._samples[1:])
+        measured = settled(self._samples)
         placed = step.placed
         costs = refit(placed, self._timings, step.costs, step.cluster)
         moved = change(step.costs, costs)

@@ -4,11 +4,8 @@ measures, rank 0 plans, every rank places and wires the same plan; and the whole
 
 from __future__ import annotations
 
-import copy
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -17,13 +14,11 @@ from ...cluster import Cluster
 from ...coarsen import capture_graph
 from ...cost import measure_step
 from ...errors import FasttError
-from ...graph import replicable
-from ...plan.named import plan
-from ...simulate import simulate_plan
 from ...strategy import Strategy
 from ..decide import decide, tuner_of
 from ..local import place
 from ..shards import shard_of
+from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
@@ -34,7 +29,7 @@ from .wiring import wire
 def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
                             example_inputs: Sequence[torch.Tensor], planner: str = "fastt",
                             strategy: Strategy | None = None, cl: Cluster | None = None,
-                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = 3,
+                            timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = TRIAL_STEPS,
                             tune: bool | Tuner = False,
                             clip_grad_norm: float | None = None) -> DistributedStep:
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
@@ -44,10 +39,10 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     makes one of the ranks' shards); training then passes each rank its shard (`DistributedStep`).
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both
-    run `trial_steps` steps first, the model and optimizer restored after (0: no trial). `step.trial` has the
-    times. `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs
-    FastT's tuning loop in the first steps of training, as the local runtime does (`fastt.runtime.tune`); rank
-    0's tuner decides and logs."""
+    run `trial_steps` steps first, each rank on its shard, the model and optimizer restored after (0: no trial;
+    `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a configured
+    `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the first steps of
+    training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and logs."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     home = {t.device for t in [*model.parameters(), *example_inputs]}
@@ -68,15 +63,10 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
     step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
-    if chosen.planned and tuner is None and trial_steps and world > 1 and replicable(graph, world):
-        dp = plan(graph, cl, "dp")
-        same = replace(dp, planner=strategy.planner).to_json() == strategy.to_json()
-        if not same and simulate_plan(graph, dp, cl, costs).fits:
-            rival = _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s)
-            mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
-            times = [_trial(s, mine, trial_steps) for s in (step, rival)]
-            step = step if times[0] <= times[1] else rival
-            step.trial = {"fastt_plan_s": times[0], "dp_s": times[1], "kept": step.strategy.planner}
+    if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
+        mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
+        step = raced(step, lambda dp: _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s), mine,
+                     trial_steps, _between_barriers, _rank0s)
     return step
 
 
@@ -102,22 +92,19 @@ def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _trial(step: DistributedStep, batch: Sequence[torch.Tensor], steps: int) -> float:
-    """Median seconds of `steps` steps (after one warm-up) of `step`'s plan, timed on rank 0 between barriers;
-    every rank gets rank 0's time. The model and optimizer get their state back after (copies of them would be
-    other tensors to the step's check)."""
-    saved = copy.deepcopy((step.model.state_dict(), step.optimizer.state_dict()))
-    times = []
+def _between_barriers(step: DistributedStep, *batch: torch.Tensor) -> float:
+    """Seconds of one step of every rank: from a barrier before it to one after, the device's work done."""
     device = step.buffers.device
-    for _ in range(steps + 1):
-        synchronized(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(*batch)
-        dist.barrier()
-        times.append(synchronized(device) - t0)
-    step.model.load_state_dict(saved[0])
-    step.optimizer.load_state_dict(saved[1])
-    box = [statistics.median(times[1:])]
+    synchronized(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(*batch)
+    dist.barrier()
+    return synchronized(device) - t0
+
+
+def _rank0s(times: list[float]) -> list[float]:
+    """Rank 0's times on every rank, so that every rank keeps the same plan."""
+    box = [times]
     dist.broadcast_object_list(box, src=0)
     return box[0]

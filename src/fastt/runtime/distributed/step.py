@@ -46,7 +46,6 @@ class DistributedStep(PlacedStep):
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
-        self.trial: dict | None = None  # fastt's plan against DP, measured (see parallelize_distributed)
         # What `switch` and the tuner place plans with, as on a local ParallelStep (the tuner's log and
         # decisions are rank 0's).
         self.graph, self.cluster, self.costs, self.tuner = graph, cluster, costs, tuner

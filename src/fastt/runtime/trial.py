@@ -1,0 +1,123 @@
+"""FastT's rule before training: the `fastt` planner's plan is kept only if it measures faster than data
+parallelism.
+
+Both plans run a few steps on the model itself, in turn, and the faster median is kept (`raced`); `step.trial`
+records both. The model, the optimizer and the random generators are put back as they were after (`restored`),
+so training starts where it would have without the trial. Both runtimes race this way: `parallelize` on the
+example batch, `parallelize_distributed` every rank on its shard, timed between barriers, rank 0's times deciding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import torch
+
+from ..graph import replicable
+from ..plan.named import plan
+from ..simulate import simulate_plan
+from ..strategy import Strategy
+from .tune import settled
+
+if TYPE_CHECKING:
+    from .step import PlacedStep
+
+S = TypeVar("S", bound="PlacedStep")
+TRIAL_STEPS = 3  # steps each plan's median is of (after one warm-up step)
+
+
+class Trial(NamedTuple):
+    """fastt's plan against data parallelism before training: each one's median seconds a step, how many steps
+    each median is of, and the planner of the plan kept (`fastt` or `dp`)."""
+
+    fastt_plan_s: float
+    dp_s: float
+    steps: int
+    kept: str
+
+
+def trial_steps(trial: bool | int) -> int:
+    """The steps `trial=` asks for: TRIAL_STEPS for True, the number given, none for False or 0."""
+    return TRIAL_STEPS if trial is True else int(trial)
+
+
+def timed(fn: Callable, *args: object) -> float:
+    """Wall seconds of fn(*args), with the GPU's queued work included when it runs on one."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def dp_rival(step: PlacedStep) -> Strategy | None:
+    """Data parallelism to race the `fastt` planner's plan against: None where it cannot replicate the step on
+    the plan's devices, does not fit, or places the step as the plan does (nothing to race)."""
+    strategy = step.strategy
+    if strategy.n_devices < 2 or not replicable(step.graph, strategy.n_devices):
+        return None
+    dp = plan(step.graph, step.cluster, "dp")
+    if replace(dp, planner=strategy.planner) == strategy:
+        return None
+    return dp if simulate_plan(step.graph, dp, step.cluster, step.costs).fits else None
+
+
+@contextlib.contextmanager
+def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Run the body, then put back the model's parameters and buffers, the optimizer's state (the step counters
+    too) and its stepped flag, and the random generators, as they were: steps taken inside leave no trace."""
+    params = [(p, p.detach().clone()) for p in model.parameters()]
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for p, s in optimizer.state.items()}
+    called = getattr(optimizer, "_opt_called", None)
+    gpus = sorted({x.device.index or 0 for x, _ in params + buffers if x.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=gpus):
+            yield
+    finally:
+        with torch.no_grad():
+            for x, saved in params + buffers:
+                x.copy_(saved)
+        optimizer.state.clear()
+        optimizer.state.update(state)
+        if called is None:
+            optimizer.__dict__.pop("_opt_called", None)
+        else:
+            optimizer._opt_called = called
+
+
+def trial_times(contenders: Sequence[PlacedStep], batch: Sequence[torch.Tensor], steps: int,
+                clock: Callable[..., float] = timed) -> list[float]:
+    """Each contender's median seconds a step on `batch` after a warm-up step (the tuner's rule, `settled`), their
+    steps taken in turn so that a slow moment of the machine falls on all; `clock(step, *batch)` times one. They
+    share one model and optimizer, put back after (`restored`)."""
+    times: list[list[float]] = [[] for _ in contenders]
+    with restored(contenders[0].model, contenders[0].optimizer):
+        for _ in range(steps + 1):
+            for s, t in zip(contenders, times):
+                t.append(clock(s, *batch))
+    return [settled(t) for t in times]
+
+
+def raced(step: S, place_dp: Callable[[Strategy], S], batch: Sequence[torch.Tensor], steps: int,
+          clock: Callable[..., float] = timed,
+          agree: Callable[[list[float]], list[float]] = lambda times: times) -> S:
+    """`step` (the `fastt` planner's plan), or the step `place_dp(dp)` of data parallelism where that measured
+    faster over `steps` steps (`trial_times`), with the `Trial` on the one kept; `step` as it is where there is
+    no rival (`dp_rival`) or no steps. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
+    dp = dp_rival(step) if steps else None
+    if dp is None:
+        return step
+    rival = place_dp(dp)
+    times = agree(trial_times([step, rival], batch, steps, clock))
+    kept = step if times[0] <= times[1] else rival
+    kept.trial = Trial(times[0], times[1], steps, kept.strategy.planner)
+    return kept

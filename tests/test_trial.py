@@ -1,0 +1,143 @@
+"""FastT's rule before training: `parallelize` races the `fastt` planner's plan against data parallelism and keeps
+the faster, and the trial leaves no trace in training (eager PyTorch is the oracle)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+from test_runtime import one_thread_per_device  # noqa: F401 - fixture
+from torch import nn
+
+from fastt.graph import UPDATE, data_parallel_graph, replica_of
+from fastt.plan.common import strategy_from
+from fastt.report import format_run
+from fastt.runtime import parallelize
+from fastt.runtime.reference import eager_reference_step, eager_step, take_state
+from fastt.runtime.trial import TRIAL_STEPS, restored
+from fastt.strategy import Strategy
+
+BATCH, DEPTH = 64, 16
+decide = importlib.import_module("fastt.runtime.decide")  # the module (the package exports its function)
+
+
+def make() -> tuple[nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, torch.Tensor]]:
+    """A deep net of small layers (many ops: a plan pays for each op it runs) with batch-norm statistics and Adam
+    (moments and step counters): state a trial step would move. No bias before the batch norm: its true gradient is
+    zero, rounding noise whose sign Adam would follow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(),
+                          *(m for _ in range(DEPTH) for m in (nn.Linear(32, 32), nn.Tanh())), nn.Linear(32, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), batch(0)
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def ping_pong(graph, cl) -> Strategy:
+    """A real but bad plan: 16 micro-batches one after the other (gradient accumulation), their ops alternating
+    between the two devices, so every op waits for the other device's last one: a long chain of hand-offs and 16
+    times the ops of a data-parallel device, slower than data parallelism however the machine's cores are shared."""
+    r = 16
+    g = data_parallel_graph(graph, r)
+    start = [replica_of(op.name) + r * (op.kind == UPDATE) for op in g.ops]
+    return strategy_from(g, "fastt", len(cl.devices), [i % 2 for i in range(len(g.ops))], start=start, replicas=r)
+
+
+@pytest.fixture
+def bad_fastt(monkeypatch):
+    """The `fastt` planner returns `ping_pong`; the other planners plan as ever."""
+    real = decide.plan
+
+    def plan(graph, cl, planner="fastt", *args, **kwargs):
+        return ping_pong(graph, cl) if planner == "fastt" else real(graph, cl, planner, *args, **kwargs)
+    monkeypatch.setattr(decide, "plan", plan)
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+            "called": getattr(opt, "_opt_called", None)}
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    """Bit for bit: every tensor of the model's and the optimizer's state, and the optimizer's stepped flag."""
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["opt"]["param_groups"] == b["opt"]["param_groups"]
+    states = [{p: s for p, s in x["opt"]["state"].items() if s} for x in (a, b)]  # capture reads state[p]: {}
+    assert states[0].keys() == states[1].keys()
+    for p, s in states[0].items():
+        assert s.keys() == states[1][p].keys()
+        for k, v in s.items():
+            assert torch.equal(v, states[1][p][k]), (p, k)
+    assert a["called"] == b["called"]
+
+
+@pytest.mark.usefixtures("bad_fastt")
+def test_a_plan_that_measures_slower_than_dp_is_rolled_back_and_says_so() -> None:
+    model, opt, inputs = make()
+    step = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2")
+    t = step.trial
+    assert t is not None and t.steps == TRIAL_STEPS
+    assert t.kept == "dp" == step.strategy.planner and t.dp_s < t.fastt_plan_s
+    assert step.strategy.replicas == 2
+    raw = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", trial=False)
+    assert raw.trial is None and raw.strategy == ping_pong(raw.graph, raw.cluster)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "after-a-step"])
+@pytest.mark.usefixtures("bad_fastt")
+def test_training_after_the_trial_is_the_eager_training(warm: bool) -> None:
+    """The trial's steps leave the model, Adam's state (step counters too) and the batch-norm statistics as they
+    were, bit for bit; then every step equals the eager step from the same state (rtol 1e-5)."""
+    model, opt, inputs = make()
+    ref_model, ref_opt, _ = make()
+    if warm:  # state that exists before parallelize: moments, counters, moved statistics
+        eager_step(model, nn.functional.mse_loss, opt, batch(99))
+    before = snapshot(model, opt)
+    step = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2")
+    assert step.trial is not None  # the trial ran
+    assert_identical(before, snapshot(model, opt))
+    for i in range(4):
+        b = batch(i)
+        take_state(model, opt, ref_model, ref_opt)
+        expected = eager_reference_step(ref_model, nn.functional.mse_loss, ref_opt, b, step.strategy.replicas)
+        torch.testing.assert_close(step(*b), expected, rtol=1e-5, atol=1e-6)
+        for (n, x), y in zip(ref_model.state_dict().items(), model.state_dict().values()):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=lambda m, n=n, i=i: f"step {i}, {n}: {m}")
+
+
+def test_steps_inside_restored_leave_no_trace() -> None:
+    """Eager steps with dropout (random draws) inside `restored`: the model, the optimizer and the generator
+    are as before, bit for bit (measuring before planning draws too: docs/design.md, Checkpoints)."""
+    model, opt, _ = make()
+    model.insert(4, nn.Dropout(0.5))
+    eager_step(model, nn.functional.mse_loss, opt, batch(99))
+    before, rng = snapshot(model, opt), torch.get_rng_state()
+    with restored(model, opt):
+        for i in range(2):
+            eager_step(model, nn.functional.mse_loss, opt, batch(i))
+    assert_identical(before, snapshot(model, opt))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_no_trial_for_another_planner_a_tuner_or_a_plan_that_is_dp(monkeypatch) -> None:
+    model, opt, inputs = make()
+    assert parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", "single").trial is None
+    tuned = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", tune=True)
+    assert tuned.trial is None and tuned.tuner is not None
+    real = decide.plan
+    monkeypatch.setattr(decide, "plan", lambda graph, cl, planner="fastt", *a, **k: real(graph, cl, "dp"))
+    assert parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2").trial is None  # DP races nothing
+
+
+def test_fastt_run_says_which_plan_the_trial_kept() -> None:
+    row = {"planner": "fastt", "measured_iteration_s": 0.13, "simulated_iteration_s": 0.12, "error": -0.08,
+           "setup_s": 4.2, "trial": {"fastt_plan_s": 0.146, "dp_s": 0.13, "steps": 3, "kept": "dp"}}
+    text = format_run({"model": "mlp", "devices": "cpu:2", "steps": 6, "results": [row], "max_param_rel_diff": None})
+    assert "trial: fastt's plan 146.0 ms, dp 130.0 ms a step (median of 3): kept dp" in text
+    assert "setup 4.2 s" in text
