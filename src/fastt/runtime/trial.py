@@ -86,8 +86,19 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterat
         with torch.no_grad():
             for x, saved in params + buffers:
                 x.copy_(saved)
-        optimizer.state.clear()
-        optimizer.state.update(state)
+        for p in list(optimizer.state):  # in place: a runtime may hold the state's tensors themselves
+            if p not in state:
+                del optimizer.state[p]
+        for p, saved_state in state.items():
+            now = optimizer.state[p]
+            for k, v in saved_state.items():
+                if isinstance(v, torch.Tensor) and isinstance(now.get(k), torch.Tensor) and now[k].shape == v.shape:
+                    with torch.no_grad():
+                        now[k].copy_(v)
+                else:
+                    now[k] = v
+            for k in set(now) - set(saved_state):
+                del now[k]
         if called is None:
             optimizer.__dict__.pop("_opt_called", None)
         else:
