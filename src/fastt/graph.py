@@ -93,6 +93,11 @@ class OpGraph:
         return tuple(tuple(s) for s in out)
 
     @cached_property
+    def _replicated(self) -> dict[int, OpGraph]:
+        """data_parallel_graph's graphs of this step, by replica count."""
+        return {}
+
+    @cached_property
     def residents(self) -> tuple[int, ...]:
         """Indices of the resident ops (parameters, optimizer state, buffers)."""
         return tuple(i for i, op in enumerate(self.ops) if op.kind in RESIDENT)
@@ -129,8 +134,12 @@ def rebatch(graph: OpGraph, batch: int) -> OpGraph:
 
 
 def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
-    """The step at batch/n replicated n times (`graph` itself when n == 1)."""
-    return replicate(_replica_step(graph, n), n)
+    """The step at batch/n replicated n times (`graph` itself when n == 1), built once per graph and n (planners
+    build it many times: every mixed plan runs on it)."""
+    built = graph._replicated
+    if n not in built:
+        built[n] = replicate(_replica_step(graph, n), n)
+    return built[n]
 
 
 def _replica_step(graph: OpGraph, n: int) -> OpGraph:

@@ -28,9 +28,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     candidates = []
     for name, expert in EXPERTS.items():
         try:
-            if name == "pipeline" and measured is not None:
-                # Op times were measured at the batch and at its share per device: cut the batch no finer, so
-                # the plans compared are all costed by measurement (finer shards would be roofline guesses).
+            if name == "pipeline":
+                # The batch cut no finer than one shard a device: op times were measured at the batch and at its
+                # share per device (finer shards would be roofline guesses beside measured plans), and a finer cut
+                # is a capture of its own (13 s for bert-large); the spread search's cuts are pipelines too.
                 candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
             else:
                 candidates.append(expert(graph, cluster, measured))

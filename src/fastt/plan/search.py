@@ -323,8 +323,8 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
 
 def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
                  budget_s: float = 4.0) -> list[Strategy]:
-    """The plans of the search under both models (module docstring), one shard a device: for each, coordinate
-    descent from data parallelism, and the ILP's optimum where HiGHS finds one within its share of `budget_s`.
+    """The plans of the search under both models (module docstring), one shard a device: for each, the better of
+    the local search's from data parallelism and the ILP's, where HiGHS finds one within its share of `budget_s`.
     FasttError where the step cannot be cut into one shard a device."""
     deadline = time.perf_counter() + budget_s
     n = len(cluster.devices)
@@ -335,12 +335,11 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
     groups = blocks(per_layer, [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers])
     costs = per_layer.merged(groups)
     picks: list[list[int]] = []
-    for overlap in (True, False):
-        picks.append(descend(costs, overlap, [0] * len(groups), deadline))
+    for overlap in (True, False):  # per model, the better of the descent's pick and the ILP's
+        found_here = [descend(costs, overlap, [0] * len(groups), deadline)]
         left = (deadline - time.perf_counter()) / (2 if overlap else 1)
         optimum = solve(costs, overlap, left) if left > 0.05 else None
-        if optimum is not None:
-            picks.append(optimum)
+        picks.append(min([*found_here, *([optimum] if optimum else [])], key=lambda p: costs.objective(p, overlap)))
     out = []
     for pick in {tuple(p): p for p in picks if any(p)}.values():  # data parallelism is planned elsewhere
         spreads = [costs.spreads[pick[b]] for b, members in enumerate(groups) for _ in members]  # blocks in order
