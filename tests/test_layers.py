@@ -9,7 +9,7 @@ from test_baselines import steps
 from fastt import zoo
 from fastt.api import capture
 from fastt.graph import INPUT, PARAM, RESIDENT, UPDATE, OpGraph
-from fastt.layers import layers
+from fastt.layers import layers, where
 
 
 def captured(name: str) -> OpGraph:
@@ -87,3 +87,19 @@ def test_replicated_graph_is_refused() -> None:
 def test_random_steps(g: OpGraph) -> None:
     """Hand-built steps (no loss known): every parameter still anchors a layer with its update."""
     check_cover(g)
+
+
+def test_where_says_which_layers_a_plan_holds_where() -> None:
+    """owt on vgg19: the convolutions on every device, each FC layer on one device, in runs of layers."""
+    from fastt.cluster import cluster
+    from fastt.plan.mixed import owt
+
+    w = zoo.get("vgg19", "test")
+    g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
+    cl = cluster("2x2xV100")
+    held = where(g, owt(g, cl).holders, [d.node for d in cl.devices])
+    assert held[0] == ("features.0 … features.34 (16 layers)", "every device")
+    rest = " ".join(name for name, _ in held[1:])
+    assert rest.startswith("classifier.0") and rest.endswith(("classifier.6", "classifier.6 (2 layers)"))
+    assert all(devs.startswith("device ") for _, devs in held[1:])
+    assert where(g, {op.name: (0, 1) for op in g.ops}, [0, 0, 1, 1])[0][1] == "node 0 (devices 0-1)"

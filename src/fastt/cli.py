@@ -23,6 +23,7 @@ from .cost import MeasuredCosts, calibrate_cpu, measure_step
 from .errors import FasttError
 from .graph import OpGraph
 from .launch import training_options
+from .layers import where
 from .plan import PLANNERS, get_planner
 from .plan.portfolio import OPTIONAL
 from .report import format_run, write_gantt, write_trace
@@ -161,12 +162,15 @@ def cmd_plan(a: argparse.Namespace) -> None:
     if a.out:
         strategy.save(a.out)
     tl = api.simulate(graph, strategy, cl)
+    held = where(graph, strategy.holders, [d.node for d in cl.devices])
     summary = {"model": a.model, "cluster": a.cluster, "planner": a.planner, "iteration_s": tl.iteration_s,
-               "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes}
+               "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes,
+               "layers": [{"layers": names, "held_on": devs} for names, devs in held]}
     print(json.dumps(summary) if a.json else
           f"{a.model} on {a.cluster} with {a.planner}: {tl.iteration_s * 1e3:.1f} ms per iteration"
           f"{'' if tl.fits else ' (does not fit)'}; {graph.fx_nodes} aten nodes grouped into {len(graph.ops)} ops"
-          + (f"; strategy written to {a.out}" if a.out else ""))
+          + (f"; strategy written to {a.out}" if a.out else "")
+          + "".join(f"\n  {names}: {devs}" for names, devs in held))
 
 
 def cmd_simulate(a: argparse.Namespace) -> None:

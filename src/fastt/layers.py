@@ -21,7 +21,7 @@ graph built by hand, an op none of these reach joins the layer of the op before 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph
@@ -187,3 +187,31 @@ def _name(graph: OpGraph, params: Sequence[int]) -> str:
     when one op reads parameters of several (a tied embedding and its decoder's bias)."""
     modules = [graph.ops[p].name.removeprefix("param:").rpartition(".")[0] or graph.ops[p].name for p in params]
     return "+".join(dict.fromkeys(modules))
+
+
+def where(graph: OpGraph, holders: Mapping[str, Sequence[int]], nodes: Sequence[int]) -> list[tuple[str, str]]:
+    """A plan in its own words: runs of consecutive layers held alike, as (`features.0 … features.28 (16
+    layers)`, `every device`), from the plan's parameter holders and each device's node."""
+    found = layers(graph)
+    n = len(nodes)
+
+    def devices(layer: Layer) -> str:
+        held = sorted({d for p in layer.params for d in holders.get(graph.ops[p].name, ())})
+        if len(held) == n:
+            return "every device"
+        if len(held) == 1:
+            return f"device {held[0]}"
+        node = {nodes[d] for d in held}
+        if len(node) == 1 and held == [d for d in range(n) if nodes[d] in node]:
+            return f"node {node.pop()} (devices {held[0]}-{held[-1]})"
+        return "devices " + ",".join(map(str, held))
+
+    runs: list[tuple[list[str], str]] = []
+    for layer in found.layers:
+        d = devices(layer)
+        if runs and runs[-1][1] == d:
+            runs[-1][0].append(layer.name)
+        else:
+            runs.append(([layer.name], d))
+    return [(names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)} layers)", d)
+            for names, d in runs]

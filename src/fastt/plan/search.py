@@ -75,13 +75,13 @@ class SpreadCosts:
     def loads(self, pick: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(seconds per device: compute and its path's transfers, seconds per link, bytes per device) when layer k
         takes choice pick[k]."""
+        pick = np.asarray(pick)
         k = np.arange(len(pick))
-        link = self.links[k, pick].sum(axis=0)
-        path = 0.0
-        for e, (u, v) in enumerate(self.pairs):
-            link = link + self.moves[e, pick[u], pick[v]]
-            path += self.hops[e, pick[u], pick[v]]
-        return self.compute[k, pick].sum(axis=0) + path, link, self.memory[k, pick].sum(axis=0)
+        e = np.arange(len(self.pairs))
+        a, b = (pick[np.array(side, dtype=int)] for side in zip(*self.pairs)) if self.pairs else (e, e)
+        link = self.links[k, pick].sum(axis=0) + self.moves[e, a, b].sum(axis=0)
+        return (self.compute[k, pick].sum(axis=0) + self.hops[e, a, b].sum(), link,
+                self.memory[k, pick].sum(axis=0))
 
     def objective(self, pick: Sequence[int], overlap: bool) -> float:
         """The makespan bound the ILP minimises (module docstring), inf where a device's memory overflows."""
