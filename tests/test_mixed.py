@@ -4,6 +4,7 @@ they hold where, and train as the plain one-device eager step does."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_capture import fresh_batch
 from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 - fixture
 
@@ -104,3 +105,28 @@ def test_every_expert_plans_or_says_why_not(name: str, spec: str) -> None:
         s.validate(graph_for(g, s))
         tl = simulate(g, s, cl)
         assert tl.iteration_s > 0 and (tl.fits or tl.oom)
+
+
+# The issue's equivalence check on cpu:2: each model under each expert plan that applies and under fastt's own,
+# step by step against the plain eager step (train_both). 20 steps with FASTT_EQUIVALENCE=full, 4 by default.
+MIXED_CASES = [("vgg19", "owt"), ("vgg19", "pipeline"), ("bert-base", "owt"), ("bert-base", "pipeline"),
+               ("bert-base", "table-wise"), ("dlrm", "owt"), ("dlrm", "table-wise"), ("gpt2", "pipeline"),
+               ("gpt2", "table-wise"), *[(m, "fastt") for m in ("vgg19", "bert-base", "dlrm", "gpt2")]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "planner"), MIXED_CASES)
+def test_mixed_plans_train_as_eager_step_by_step(name: str, planner: str) -> None:
+    import os
+
+    from test_training import train_both
+
+    from fastt import zoo
+
+    def make() -> tuple:
+        w = zoo.get(name, "test", dropout=False)
+        return w.model, w.loss_fn, w.optimizer, w.example_inputs
+    steps = 20 if os.environ.get("FASTT_EQUIVALENCE") == "full" else 4
+    diff, ours, theirs = train_both(make, planner, steps=steps)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert diff <= 1e-5
