@@ -328,3 +328,22 @@ def test_launch_trains_from_a_dataset_each_rank_its_shard_with_clipping(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["max_param_rel_diff"] <= 1e-5 and [x["replicas"] for x in out["results"]] == [2, 1]
+
+
+# Expert (mixed) plans over 2 gloo ranks: layers held once, tables on their own rank, a pipeline's micro-batches.
+MIXED = [("dlrm", "owt,table-wise")] + ([("bert-base", "owt,table-wise,pipeline"), ("vgg19", "owt,pipeline"),
+                                        ("gpt2", "pipeline,table-wise")] if FULL else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "planners"), MIXED)
+def test_expert_plans_train_as_eager_over_gloo(model: str, planners: str, tmp_path: Path) -> None:
+    """Each expert plan, under each LR schedule with clipping, 20 steps: every one the plain one-device eager step
+    from the same state (rtol 1e-5). bert-base, vgg19 and gpt2 with FASTT_DISTRIBUTED=full (2 minutes each)."""
+    r = torchrun_script("distributed_training.py", model, planners, str(tmp_path / "out.json"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert sorted(got) == sorted(planners.split(","))
+    for planner, by in got.items():
+        for schedule, res in by.items():
+            assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (planner, schedule, res)
