@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastt.cluster import gpu_cluster
 
@@ -254,3 +256,32 @@ def test_run_with_torchrun_launches_one_process_per_device(tmp_path: Path) -> No
     assert bad.returncode == 2 and "--launcher torchrun runs cpu:N" in bad.stderr
     twice = fastt("run", "--model", "mlp", "--devices", "cuda:0,0", "--launcher", "torchrun", cwd=tmp_path)
     assert twice.returncode == 2 and "one rank per GPU" in twice.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 64), st.integers(0, 5000))
+def test_largest_batch_is_the_largest_that_fits_within_an_eighth(n: int, start: int, limit: int) -> None:
+    from fastt.cli import _largest
+
+    tried = []
+    got = _largest(start * n, n, lambda b: tried.append(b) or b <= limit)
+    assert got % n == 0 and all(b % n == 0 and b > 0 for b in tried)
+    cap = 64 * start * n
+    if limit >= cap:
+        assert got >= cap
+    else:
+        assert got <= limit and limit - got < max(n, got // 8) if got else limit < n
+
+
+def test_compare_max_batch_reports_each_planners_largest_batch(tmp_path: Path) -> None:
+    """On two devices too small for mlp's 150 M parameters twice over, DP fits nothing and fastt holds the
+    layers once, so it fits a batch."""
+    cl = gpu_cluster("V100", 2)
+    small = replace(cl, devices=tuple(replace(d, memory_bytes=int(1.0e9)) for d in cl.devices))
+    small.save(tmp_path / "small.json")
+    r = fastt("compare", "--model", "mlp", "--size", "paper", "--cluster", "small.json", "--planners", "dp,fastt",
+              "--max-batch", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = {x["planner"]: x for x in json.loads(r.stdout)["results"]}
+    assert rows["fastt"]["max_batch"] > rows["dp"]["max_batch"]
+    assert rows["fastt"]["samples_per_s"] > 0

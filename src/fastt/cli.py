@@ -117,6 +117,67 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
     return rows
 
 
+def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str,
+                    budget_s: float | None = None) -> list[dict]:
+    """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan the
+    simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch is a
+    capture of its own, shared by the planners."""
+    n = len(cl.devices)
+    graphs: dict[int | None, OpGraph] = {None: load_graph(model, size, None, optimizer)}
+
+    def run(b: int, p: str):  # the simulated timeline of p's plan at batch b, None where p has no plan
+        if b not in graphs:
+            graphs[b] = load_graph(model, size, b, optimizer)
+        try:
+            return api.simulate(graphs[b], api.plan(graphs[b], cl, p, budget_s=budget_s), cl)
+        except FasttError:
+            if p not in OPTIONAL:
+                raise
+            return None
+    start = max(n, graphs[None].batch // n * n)
+    rows = []
+    for p in planners:
+        timelines: dict = {}
+
+        def fits(b: int, p: str = p, t: dict = timelines) -> bool:
+            if b not in t:
+                t[b] = run(b, p)
+            return t[b] is not None and t[b].fits
+        lo = _largest(start, n, fits)
+        tl = timelines.get(lo)
+        rows.append({"model": model, "planner": p, "max_batch": lo, "iteration_s": tl.iteration_s if tl else None,
+                     "samples_per_s": lo / tl.iteration_s if tl else 0.0,
+                     "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes] if tl else []})
+    return rows
+
+
+def _largest(start: int, n: int, fits) -> int:
+    """The largest multiple of n for which fits(batch) holds (0 if none does), to within an eighth, assuming
+    fitting is monotone: doubling (or halving) from `start`, then bisecting; at most 64 x start."""
+    lo, hi = (start, None) if fits(start) else (0, start)
+    while hi is None and lo < 64 * start:
+        lo, hi = (2 * lo, None) if fits(2 * lo) else (lo, 2 * lo)
+    while lo == 0 and hi >= 2 * n:
+        half = hi // 2 // n * n
+        lo, hi = (half, hi) if fits(half) else (0, half)
+    while hi is not None and hi - lo > max(n, lo // 8):
+        mid = (lo + hi) // 2 // n * n
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def format_largest(rows: list[dict], cl: Cluster) -> str:
+    dp = {r["model"]: r for r in rows if r["planner"] == "dp"}
+    out = [f"largest batch that fits on {cl.name} ({len(cl.devices)} x {_gb(cl.devices[0].memory_bytes):g} GB), simulated",
+           f"{'model':<12}{'planner':<12}{'max batch':>10}{'iter ms':>10}{'samples/s':>11}{'vs DP':>8}"]
+    for r in rows:
+        base = dp.get(r["model"])
+        vs = f"{r['max_batch'] / base['max_batch']:.2f}x" if base and base["max_batch"] else "-"
+        it = f"{r['iteration_s'] * 1e3:.1f}" if r["iteration_s"] else "-"
+        out.append(f"{r['model']:<12}{r['planner']:<12}{r['max_batch']:>10}{it:>10}{r['samples_per_s']:>11.1f}{vs:>8}")
+    return "\n".join(out)
+
+
 def format_table(rows: list[dict], cl: Cluster) -> str:
     head = ("model", "planner", "batch", "iter ms", "vs DP", "/LB", "plan s", "peak GB per device", "fits", "splits")
     nodes = len({d.node for d in cl.devices})
@@ -146,6 +207,12 @@ def cmd_compare(a: argparse.Namespace) -> None:
     planners = [p.strip() for p in a.planners.split(",")]
     for p in planners:
         get_planner(p)
+    if a.max_batch:
+        models = [m.strip() for m in a.model.split(",")]
+        check_models(models)
+        rows = [r for m in models for r in largest_batches(m, cl, planners, a.size, a.optimizer, a.budget)]
+        print(json.dumps({"cluster": a.cluster, "results": rows}) if a.json else format_largest(rows, cl))
+        return
     rows = compare([m.strip() for m in a.model.split(",")], cl, planners, a.size, a.batch, a.optimizer,
                    progress=not a.json, budget_s=a.budget)
     if a.json:
@@ -341,6 +408,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="compare planners side by side")
     _common(p)
     p.add_argument("--planners", default=",".join(PLANNERS))
+    p.add_argument("--max-batch", action="store_true",
+                   help="the largest batch each planner's plan fits, and its samples/s (a capture per batch tried)")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("run", help="train for real on local devices: measured vs simulated time per planner")
     p.add_argument("--model", required=True, help="zoo model name or path/to/file.py:function")

@@ -13,8 +13,9 @@ The expert planners are spreads chosen as experts choose them (each raises Fastt
 - `owt` (Krizhevsky's one weird trick): layers of convolutions and attention data-parallel, the other matrix
   multiplications and embeddings each held once, spread over the devices by their work;
 - `table-wise` (TorchRec's table-wise sharding): each embedding table held once, spread by bytes, the rest DP;
-- `pipeline` (GPipe): a stage per node (or per device on one node), consecutive layers cut where the stages'
-  work is even, each stage data-parallel inside its node, the shards its micro-batches.
+- `pipeline` (GPipe's micro-batches in PipeDream-flush's 1F1B order, as Megatron runs them): a stage per node (or
+  per device on one node), consecutive layers cut where the stages' work is even, each stage data-parallel inside
+  its node, the shards its micro-batches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
 from ..graph import (
+    ALLREDUCE,
     INPUT,
+    RESIDENT,
     UPDATE,
     OpGraph,
     base_name,
@@ -44,7 +47,7 @@ from .schedule import ByRank, RingAllreduce, Schedule, edge_bytes, list_schedule
 CONV = ("aten.convolution.default", "aten.convolution_backward.default")
 MATMUL = ("aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.linear.default")
 EMBEDDING = ("aten.embedding.default", "aten._embedding_bag.default", "aten.embedding_bag.default")
-MICRO_BATCHES = 4  # shards per device of a pipeline stage: GPipe's bubble is (stages-1)/(micro+stages-1)
+MICRO_BATCHES = 4  # shards per device of a pipeline stage: the bubble is (stages-1)/(micro+stages-1)
 
 
 @dataclass(frozen=True)
@@ -58,11 +61,12 @@ class Spread:
 
 
 def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Sequence[Spread], found: Layers,
-                   planner: str, measured: MeasuredCosts | None = None, gpipe: bool = False) -> Strategy:
+                   planner: str, measured: MeasuredCosts | None = None,
+                   stages: Sequence[Sequence[int]] | None = None) -> Strategy:
     """The strategy running layer k's shards by `spreads[k]`, ordered by list scheduling (`ordered`) or, for a
-    pipeline, in GPipe's order (`_gpipe_start`: upward ranks put a shard's backward before the next shard's
-    forward). Ops in no layer (the batch, a clip's norm) go where their shard's first reader is, or by data
-    parallelism."""
+    pipeline whose `stages` are groups of devices, in 1F1B order (`one_f_one_b`), or GPipe's where a stage's
+    layers are not consecutive in the forward pass (a tied embedding's decoder runs on the first stage last). Ops in no layer (the batch, a
+    clip's norm) go where their shard's first reader is, or by data parallelism."""
     n = len(cluster.devices)
     g = data_parallel_graph(graph, shards)
     everywhere = Spread(tuple(range(n)))
@@ -74,8 +78,15 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
     for i, op in enumerate(g.ops):  # an input goes to the device of its first reader: nothing travels twice
         if op.kind == INPUT and g.succs[i]:
             device[i] = device[g.succs[i][0]]
-    if gpipe:
-        return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards), replicas=shards)
+    if stages is not None:
+        stage = [next(s for s, grp in enumerate(stages) if d in grp) for d in device]
+        s = strategy_from(g, planner, n, device, start=one_f_one_b(graph, g, found, shards, stage),
+                          replicas=shards)
+        try:
+            s.validate(graph_for(graph, s))
+            return s
+        except FasttError:  # a stage that runs twice in the forward pass (a tied decoder): GPipe's order
+            return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards), replicas=shards)
     return ordered(graph, strategy_from(g, planner, n, device, replicas=shards), cluster, measured)
 
 
@@ -88,6 +99,33 @@ def _gpipe_start(graph: OpGraph, g: OpGraph, found: Layers, shards: int) -> list
         forward = op.kind == INPUT or base is not None and found.forward[base]
         start[i] = (2 if op.kind == UPDATE else 0 if forward else 1) * shards + replica_of(op.name)
     return start
+
+
+def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: Sequence[int]) -> list[int]:
+    """PipeDream-flush's 1F1B order (Megatron's): virtual stage v of V runs V-v-1 shards' forward ops, then
+    alternates the next shard's forward and the oldest shard's backward, so it keeps at most V-v shards'
+    activations alive (GPipe's all-forwards-first keeps every shard's: the same bubble, more memory); the updates
+    last. Shard m's forward is at 2m - (V-v-1), its backward at 2m + (V-v-1) + 1.
+    A virtual stage is a stretch of the forward pass on one stage: a tied decoder that runs on the first stage
+    after the last is a virtual stage of its own (as Megatron's interleaved schedule)."""
+    virtual = [0] * len(g.ops)
+    fwd = [op.kind == INPUT or (b := graph.index.get(base_name(op.name))) is not None and found.forward[b]
+           for op in g.ops]
+    placed = [op.kind not in RESIDENT and op.kind != ALLREDUCE for op in g.ops]
+    for i, op in enumerate(g.ops):  # forward: one more at each change of stage along the way
+        if fwd[i] and placed[i]:
+            virtual[i] = max((virtual[j] + (stage[j] != stage[i]) for j in op.inputs if fwd[j] and placed[j]),
+                             default=0)
+    top = max((virtual[i] for i in range(len(g.ops)) if fwd[i] and placed[i]), default=0)
+    for i, op in enumerate(g.ops):  # backward: one less at each change of stage on the way back
+        if not fwd[i] and placed[i] and op.kind != UPDATE:
+            virtual[i] = min((virtual[j] - (stage[j] != stage[i]) for j in op.inputs if not fwd[j] and placed[j]
+                              and g.ops[j].kind != UPDATE), default=top)
+    key = [0] * len(g.ops)
+    for i, op in enumerate(g.ops):
+        m, warm = replica_of(op.name), top - virtual[i]
+        key[i] = 3 * shards + top if op.kind == UPDATE else 2 * m - warm if fwd[i] else 2 * m + warm + 1
+    return key
 
 
 class _Held:
@@ -217,7 +255,7 @@ def pipeline(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
     stage = np.searchsorted(np.array(cut), np.arange(len(found)), side="right")
     spreads = [Spread(groups[s]) for s in stage]
     return mixed_strategy(graph, cluster, len(groups[0]) * fits[0], spreads, found, "pipeline", measured,
-                          gpipe=True)
+                          stages=groups)
 
 
 EXPERTS = {"owt": owt, "table-wise": table_wise, "pipeline": pipeline}

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
-from ..graph import OpGraph, data_parallel_graph, replicable
+from ..graph import OpGraph, data_parallel_graph, replicable, without_unplaced_updates
 from ..simulate import simulate
 from ..split import max_parts, split, splittable
 from ..strategy import Split, Strategy
@@ -58,7 +58,9 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
 
 
 def _judge(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None) -> tuple[bool, float]:
-    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest."""
+    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest. `g` less the
+    duplicate updates the plan leaves out (a device applies each update once, `strategy_from`)."""
+    g = without_unplaced_updates(g, s.placement)
     tl = simulate(g, s, cluster, op_times(g, cluster, measured))
     return (not tl.fits, tl.iteration_s)
 

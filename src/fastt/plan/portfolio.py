@@ -16,6 +16,7 @@ from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .search import spread_plans
 
 OPTIONAL = (*EXPERTS, "search")  # planners that raise FasttError where they do not apply
+FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
 SEARCH_S = 4.0  # at most this much of the budget for the spread search; OS-DPOS's split search gets the rest
 
 
@@ -23,7 +24,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
               measured: MeasuredCosts | None = None) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first, the spread
-    search takes half of `budget_s` (at most SEARCH_S), and OS-DPOS's split search what is left."""
+    search takes half of `budget_s` (at most SEARCH_S), and OS-DPOS's split search what is left. Where none of
+    them fits, pipelines with FINER micro-batches are tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     candidates = []
     for name, expert in EXPERTS.items():
@@ -42,5 +44,15 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
-    best = min(candidates, key=lambda s: _judge(graph_for(graph, s), s, cluster, measured))
-    return replace(best, planner="fastt")
+    judged = [(_judge(graph_for(graph, s), s, cluster, measured), k, s) for k, s in enumerate(candidates)]
+    for micro in FINER if not any(not misfit for (misfit, _), _, _ in judged) else ():
+        # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive, not
+        # all of them), each cut a capture of its own, until one fits.
+        try:
+            s = pipeline(graph, cluster, measured, micro=micro)
+        except FasttError:
+            break
+        judged.append((_judge(graph_for(graph, s), s, cluster, measured), len(judged), s))
+        if not judged[-1][0][0]:
+            break
+    return replace(min(judged)[2], planner="fastt")
