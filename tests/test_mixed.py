@@ -156,3 +156,11 @@ def test_pipeline_runs_one_forward_one_backward_and_keeps_fewer_activations_than
     device = [s.placement.get(op.name, 0) for op in rep.ops]
     gpipe = strategy_from(rep, "gpipe", 2, device, start=_gpipe_start(g, rep, found, s.replicas), replicas=s.replicas)
     assert max(simulate(g, s, cl).peak_memory_bytes) < max(simulate(g, gpipe, cl).peak_memory_bytes)
+
+
+def test_a_mixed_plan_refuses_shards_whose_step_has_other_ops() -> None:
+    """gpt2 at batch 8 on 2x4xV100: a pipeline of 8 shards would run the step at batch 1, which traces with fewer
+    ops and fx names shifted (clone_21 another clone), so layers matched by name would be wrong: it says so."""
+    g, cl = graph_of("gpt2", "paper"), cluster("2x4xV100")
+    with pytest.raises(FasttError, match="pipeline: the step at batch 1 has other ops than at 8"):
+        pipeline(g, cl)

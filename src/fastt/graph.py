@@ -152,6 +152,13 @@ def _replica_step(graph: OpGraph, n: int) -> OpGraph:
     return sub
 
 
+def same_step(graph: OpGraph, sub: OpGraph) -> bool:
+    """Whether `sub` (the step recaptured at another batch) has `graph`'s ops, name for name and target for target:
+    then an op of one is known by its name in the other. At a batch of one, tracing may drop ops (an expand, a
+    clone), and fx's numbering of the rest shifts (`clone_21` becomes another clone)."""
+    return sub is graph or [(op.name, op.target) for op in sub.ops] == [(op.name, op.target) for op in graph.ops]
+
+
 def replicable(graph: OpGraph, n: int) -> bool:
     """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be weighed),
     without building the replicated graph."""

@@ -36,7 +36,9 @@ from ..graph import (
     OpGraph,
     base_name,
     data_parallel_graph,
+    rebatch,
     replica_of,
+    same_step,
 )
 from ..layers import Layers, layers
 from ..split import graph_for
@@ -68,6 +70,9 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
     layers are not consecutive in the forward pass (a tied embedding's decoder runs on the first stage last). Ops in no layer (the batch, a
     clip's norm) go where their shard's first reader is, or by data parallelism."""
     n = len(cluster.devices)
+    if not same_step(graph, rebatch(graph, graph.batch // shards)):
+        raise FasttError(f"{planner}: the step at batch {graph.batch // shards} has other ops than at "
+                         f"{graph.batch}, so its layers cannot be matched: use a larger batch")
     g = data_parallel_graph(graph, shards)
     everywhere = Spread(tuple(range(n)))
     device = [0] * len(g.ops)

@@ -33,7 +33,7 @@ import scipy.sparse
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
-from ..graph import ALLREDUCE, PARAM, RESIDENT, UPDATE, OpGraph, rebatch, replicable
+from ..graph import ALLREDUCE, PARAM, RESIDENT, UPDATE, OpGraph, rebatch, replicable, same_step
 from ..layers import Layers, layers
 from ..split import graph_for
 from ..strategy import Strategy
@@ -82,6 +82,10 @@ class SpreadCosts:
         link = self.links[k, pick].sum(axis=0) + self.moves[e, a, b].sum(axis=0)
         return (self.compute[k, pick].sum(axis=0) + self.hops[e, a, b].sum(), link,
                 self.memory[k, pick].sum(axis=0))
+
+    def excess(self, pick: Sequence[int]) -> float:
+        """Bytes by which the devices' memory overflows (0 where the pick fits)."""
+        return float(np.maximum(self.loads(pick)[2] - self.capacity, 0).sum())
 
     def objective(self, pick: Sequence[int], overlap: bool) -> float:
         """The makespan bound the ILP minimises (module docstring), inf where a device's memory overflows."""
@@ -140,19 +144,23 @@ def blocks(costs: SpreadCosts, params: Sequence[float], limit: int = 32) -> list
 
 def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: float) -> list[int]:
     """Local search on the objective from `pick`: the best of giving one block, or every block before or after
-    one (a pipeline's cut), another choice, taken while it helps (or until the deadline)."""
+    one (a pipeline's cut), another choice, taken while it helps (or until the deadline). Where `pick` does not
+    fit, the memory it overflows by is lowered first (a plan that fits where data parallelism does not)."""
     K, C = len(pick), len(costs.spreads)
     moves = [range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K)] + [range(k, K) for k in range(1, K - 1)]
     pick = list(pick)
-    best = costs.objective(pick, overlap)
+
+    def value(p: list[int]) -> tuple[float, float]:
+        return costs.excess(p), costs.objective(p, overlap)
+    best = value(pick)
     while time.perf_counter() < deadline:
         found = None
         for span in moves:
             for c in range(C):
                 trial = [c if k in span else x for k, x in enumerate(pick)]
-                value = costs.objective(trial, overlap)
-                if value < best - 1e-12:
-                    found, best = trial, value
+                v = value(trial)
+                if v[0] < best[0] or v[0] == best[0] and v[1] < best[1] - 1e-12:
+                    found, best = trial, v
         if found is None:
             break
         pick = found
@@ -165,6 +173,8 @@ def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: Meas
     n, nl = len(cluster.devices), len(cluster.links)
     spreads = tuple(choices(cluster))
     sub = rebatch(graph, graph.batch // n)
+    if not same_step(graph, sub):
+        raise FasttError(f"spread search: the step at batch {sub.batch} has other ops than at {graph.batch}")
     times = op_times(sub, cluster, measured)
     of = [found.of[graph.index[op.name]] if op.name in graph.index else -1 for op in sub.ops]
     shards = np.array([[sum(1 for s in range(n) if c.device(s, n) == d) for d in range(n)] for c in spreads])
@@ -339,7 +349,8 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
         found_here = [descend(costs, overlap, [0] * len(groups), deadline)]
         left = (deadline - time.perf_counter()) / (2 if overlap else 1)
         optimum = solve(costs, overlap, left) if left > 0.05 else None
-        picks.append(min([*found_here, *([optimum] if optimum else [])], key=lambda p: costs.objective(p, overlap)))
+        picks.append(min([*found_here, *([optimum] if optimum else [])],
+                         key=lambda p: (costs.excess(p), costs.objective(p, overlap))))
     out = []
     for pick in {tuple(p): p for p in picks if any(p)}.values():  # data parallelism is planned elsewhere
         spreads = [costs.spreads[pick[b]] for b, members in enumerate(groups) for _ in members]  # blocks in order
