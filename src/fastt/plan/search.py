@@ -1,4 +1,4 @@
-"""The spread search: an ILP that gives every layer a `Spread` (mixed.py), solved by scipy's HiGHS.
+"""The spread search: every layer gets a `Spread` (mixed.py), by local search and an ILP solved by scipy's HiGHS.
 
 The batch is cut into one shard a device (R = n). A layer may take one of a few spreads: every device (data
 parallelism), the devices of one node (replicated there only) or one device (held once). What a choice costs is
@@ -15,9 +15,12 @@ read from the step at batch/R, layer by layer (`SpreadCosts`):
 
 The objective is the step's makespan bound: T at least every device's compute and every link's traffic (they
 overlap), or, in the second model, a device's compute plus the busiest link it uses (they do not). Neither is
-the truth; the simulator is, and `fastt` (mixed.best_plan) keeps whichever of the two plans simulates faster,
-beside the expert plans and OS-DPOS's. A pair of choices per edge is linearised by Alpa's trick: y[e, a, b] >= 0
-with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only the x are integers.
+the truth; the simulator is, and `fastt` (portfolio.best_plan) keeps whichever plan simulates fastest, beside the
+expert plans and OS-DPOS's. Layers are merged into blocks of consecutive layers (`blocks`) so that large models
+solve in seconds. Per objective, a local search from data parallelism (`descend`) and the ILP (`solve`) each
+give a pick, and the better one becomes a plan. In the ILP a pair of choices per edge is linearised by Alpa's
+trick: y[e, a, b] >= 0 with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only the x are
+integers.
 """
 
 from __future__ import annotations
