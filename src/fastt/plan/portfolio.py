@@ -17,14 +17,16 @@ from .search import spread_plans
 
 OPTIONAL = (*EXPERTS, "search")  # planners that raise FasttError where they do not apply
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
-SEARCH_S = 4.0  # at most this much of the budget for the spread search; OS-DPOS's split search gets the rest
+SEARCH_S = 4.0  # at most this much of the budget for the spread search (as the `search` planner has); OS-DPOS's
+# split search gets the rest
 
 
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
               measured: MeasuredCosts | None = None) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first, the spread
-    search takes half of `budget_s` (at most SEARCH_S), and OS-DPOS's split search what is left. Where none of
+    search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and OS-DPOS's split search what
+    is left. Where none of
     them fits, pipelines with FINER micro-batches are tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     candidates = []
@@ -40,7 +42,7 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
     try:
-        candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s / 2))
+        candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s))
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
