@@ -26,8 +26,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first, the spread
     search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and OS-DPOS's split search what
-    is left. Where none of
-    them fits, pipelines with FINER micro-batches are tried until one does (memory-bound training)."""
+    is left. Where none of them fits, pipelines with FINER micro-batches are tried until one does (memory-bound
+    training)."""
     deadline = time.perf_counter() + budget_s
     candidates = []
     for name, expert in EXPERTS.items():
