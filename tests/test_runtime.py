@@ -23,6 +23,7 @@ from fastt.plan import PLANNERS
 from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
+from fastt.plan.portfolio import OPTIONAL
 from fastt.runtime import StepError, parallelize
 from fastt.runtime.reference import eager_reference_step
 from fastt.split import graph_for, split
@@ -103,7 +104,12 @@ def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> Non
     largest magnitude (`assert_same(scaled=True)`). The `fastt` planner's own plan, not the faster of it and
     data parallelism (`trial=False`)."""
     ref, ours = pair(name)
-    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner, trial=False)
+    try:
+        step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner,
+                           trial=False)
+    except FasttError as e:  # an expert or the search with no plan for this model: its one line says why
+        assert planner in OPTIONAL and "\n" not in str(e), (planner, str(e))
+        return
     stepwise = bool(step.strategy.splits) or step.strategy.replicas > 1
     for i in range(100 if FULL else 3):
         batch = fresh_batch(ref, i)
