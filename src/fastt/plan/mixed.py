@@ -66,9 +66,9 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
                    planner: str, measured: MeasuredCosts | None = None,
                    stages: Sequence[Sequence[int]] | None = None) -> Strategy:
     """The strategy running layer k's shards by `spreads[k]`, ordered by list scheduling (`ordered`) or, for a
-    pipeline whose `stages` are groups of devices, in 1F1B order (`one_f_one_b`), or GPipe's where a stage's
-    layers are not consecutive in the forward pass (a tied embedding's decoder runs on the first stage last). Ops in no layer (the batch, a
-    clip's norm) go where their shard's first reader is, or by data parallelism."""
+    pipeline whose `stages` are groups of devices, in 1F1B order (`one_f_one_b`), or GPipe's where that would
+    deadlock. Ops in no layer (the batch, a clip's norm) go where their shard's first reader is, or by data
+    parallelism."""
     n = len(cluster.devices)
     if not same_step(graph, rebatch(graph, graph.batch // shards)):
         raise FasttError(f"{planner}: the step at batch {graph.batch // shards} has other ops than at "
@@ -98,12 +98,15 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
 def _gpipe_start(graph: OpGraph, g: OpGraph, found: Layers, shards: int) -> list[int]:
     """GPipe's order: every device runs its shards' forward ops shard after shard, then their backward ops, then
     the updates, so a stage hands each shard on as soon as it is done with it."""
-    start = [0] * len(g.ops)
-    for i, op in enumerate(g.ops):
-        base = graph.index.get(base_name(op.name))
-        forward = op.kind == INPUT or base is not None and found.forward[base]
-        start[i] = (2 if op.kind == UPDATE else 0 if forward else 1) * shards + replica_of(op.name)
-    return start
+    fwd = _forward_ops(graph, g, found)
+    return [(2 if op.kind == UPDATE else 0 if fwd[i] else 1) * shards + replica_of(op.name)
+            for i, op in enumerate(g.ops)]
+
+
+def _forward_ops(graph: OpGraph, g: OpGraph, found: Layers) -> list[bool]:
+    """For each op of the replicated graph `g`: is it an input or a forward op of `graph`'s step."""
+    return [op.kind == INPUT or (b := graph.index.get(base_name(op.name))) is not None and found.forward[b]
+            for op in g.ops]
 
 
 def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: Sequence[int]) -> list[int]:
@@ -114,8 +117,7 @@ def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: S
     A virtual stage is a stretch of the forward pass on one stage: a tied decoder that runs on the first stage
     after the last is a virtual stage of its own (as Megatron's interleaved schedule)."""
     virtual = [0] * len(g.ops)
-    fwd = [op.kind == INPUT or (b := graph.index.get(base_name(op.name))) is not None and found.forward[b]
-           for op in g.ops]
+    fwd = _forward_ops(graph, g, found)
     placed = [op.kind not in RESIDENT and op.kind != ALLREDUCE for op in g.ops]
     for i, op in enumerate(g.ops):  # forward: one more at each change of stage along the way
         if fwd[i] and placed[i]:
@@ -230,11 +232,16 @@ def table_wise(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None 
     return _held_once(graph, cluster, found, tables, size, "table-wise", measured)
 
 
+def node_devices(cluster: Cluster) -> list[tuple[int, ...]]:
+    """The devices of each node, nodes in order."""
+    return [tuple(i for i, d in enumerate(cluster.devices) if d.node == j)
+            for j in sorted({d.node for d in cluster.devices})]
+
+
 def _stage_groups(cluster: Cluster) -> list[tuple[int, ...]]:
     """A pipeline's stages: the devices of each node, or each device on one node."""
-    nodes = sorted({d.node for d in cluster.devices})
-    return ([tuple(i for i, d in enumerate(cluster.devices) if d.node == j) for j in nodes] if len(nodes) > 1
-            else [(i,) for i in range(len(cluster.devices))])
+    nodes = node_devices(cluster)
+    return nodes if len(nodes) > 1 else [(i,) for i in range(len(cluster.devices))]
 
 
 def _stages_per_group(cluster: Cluster) -> int:

@@ -40,7 +40,7 @@ from ..graph import ALLREDUCE, PARAM, RESIDENT, UPDATE, OpGraph, rebatch, replic
 from ..layers import Layers, layers
 from ..split import graph_for
 from ..strategy import Strategy
-from .mixed import Spread, mixed_strategy
+from .mixed import Spread, mixed_strategy, node_devices
 from .osdpos import _judge
 
 TIE = 1e-3  # weight of the total work beside the makespan: of two plans as fast, the one that does less
@@ -49,10 +49,8 @@ TIE = 1e-3  # weight of the total work beside the makespan: of two plans as fast
 def choices(cluster: Cluster) -> list[Spread]:
     """The spreads a layer may take: every device, each node's devices (on several nodes), each device."""
     n = len(cluster.devices)
-    nodes = sorted({d.node for d in cluster.devices})
-    out = [Spread(tuple(range(n)))]
-    if len(nodes) > 1:
-        out += [Spread(tuple(i for i, d in enumerate(cluster.devices) if d.node == j)) for j in nodes]
+    nodes = node_devices(cluster)
+    out = [Spread(tuple(range(n)))] + ([Spread(devs) for devs in nodes] if len(nodes) > 1 else [])
     out += [Spread((d,)) for d in range(n)] if n > 1 else []
     return list(dict.fromkeys(out))
 
