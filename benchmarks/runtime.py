@@ -5,8 +5,8 @@ Three tables, written to out/runtime.json and docs/runtime.md (generated from th
    loop) against one device, data parallelism and plain eager PyTorch using both cores.
 2. Simulated vs measured iteration time for `fastt`, `dp` and `single` on every zoo model at test size.
 3. Runtime overhead on one device (cpu:1, all cores) against plain eager PyTorch with the same thread count, and
-   the part of it spent reading the step's inputs each call (hyperparameters from the param groups, the checks
-   that the model, optimizer and batch are what the step was captured for).
+   the parts of it spent each call reading the hyperparameters from the param groups, and checking that the
+   model, optimizer and batch are what the step was captured for.
 Plus the machine's ceiling for two worker devices: one device's step alone vs two copies of it at once.
 
 Usage:
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from fastt import guards, zoo
+from fastt.capture import hyper_values
 from fastt.runtime import parallelize
 from fastt.runtime.bench import run_planners
 from fastt.runtime.reference import batch_like, eager_step
@@ -77,15 +78,16 @@ def accuracy(models: list[str], steps: int) -> list[dict]:
 
 
 def overhead(models: list[str], steps: int) -> list[dict]:
-    """fastt's runtime with the one-device plan on cpu:1 against eager, steps interleaved, medians; `inputs_s`:
-    what reading the step's inputs and checking them costs a call (`Step.check`, `Step.arguments`, guards)."""
+    """fastt's runtime with the one-device plan on cpu:1 against eager, steps interleaved, medians; `hyper_s`:
+    what reading the hyperparameters from the param groups costs a call (`capture.hyper_values`), `check_s`:
+    checking the model, optimizer and batch against what the step was captured for (`Step.check`, guards)."""
     rows = []
     for name in models:
         print(f"overhead: {name}", file=sys.stderr)
         ref, ours = zoo.get(name, dropout=False), zoo.get(name, dropout=False)
         with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
             step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:1", "single")
-            eager, fastt, inputs = [], [], []
+            eager, fastt, hyper, checks = [], [], [], []
             captured = step.lowered.step
             for i in range(steps + 2):
                 b = batch_like(ref.example_inputs, i)
@@ -94,15 +96,18 @@ def overhead(models: list[str], steps: int) -> list[dict]:
                 t1 = time.perf_counter()
                 step(*b)
                 t2 = time.perf_counter()
+                hyper_values(ours.optimizer, captured.hyper_keys)
+                t3 = time.perf_counter()
                 captured.check(ours.model, ours.optimizer, b)
                 guards.check(captured.gm, b)
-                captured.arguments(ours.model, ours.optimizer, b)
                 eager.append(t1 - t0)
                 fastt.append(t2 - t1)
-                inputs.append(time.perf_counter() - t2)
+                hyper.append(t3 - t2)
+                checks.append(time.perf_counter() - t3)
         e, f = statistics.median(eager[2:]), statistics.median(fastt[2:])
         rows.append({"model": name, "threads": torch.get_num_threads(), "eager_s": e, "fastt_s": f,
-                     "overhead": f / e - 1, "inputs_s": statistics.median(inputs[2:])})
+                     "overhead": f / e - 1, "hyper_s": statistics.median(hyper[2:]),
+                     "check_s": statistics.median(checks[2:])})
     return rows
 
 
@@ -115,9 +120,13 @@ def ceiling(models: dict[str, int], runs: int) -> list[dict]:
         b = batch_like(copies[0].example_inputs, 0)
 
         def work(w: zoo.Workload, b: tuple = b) -> None:
+            old = torch.get_num_threads()
             torch.set_num_threads(1)
-            for _ in range(runs):
-                eager_step(w.model, w.loss_fn, w.optimizer, b)
+            try:
+                for _ in range(runs):
+                    eager_step(w.model, w.loss_fn, w.optimizer, b)
+            finally:  # the main thread runs it too: the tables after this one use every core again
+                torch.set_num_threads(old)
         for w in copies:
             work(w)  # warm-up
         t0 = time.perf_counter()
@@ -170,18 +179,21 @@ def render(out: dict, cmd: str) -> str:
         lines.append(f"| {r['model']} | {r['planner']} | {r['measured_s'] * ms:.1f} | {r['simulated_s'] * ms:.1f} "
                      f"| {r['error']:+.0%} |")
     over = [r["overhead"] for r in out["overhead"]]
-    inputs = [r["inputs_s"] / r["fastt_s"] for r in out["overhead"] if "inputs_s" in r]
+    hyper = [r["hyper_s"] / r["fastt_s"] for r in out["overhead"] if "hyper_s" in r]
+    checks = [r["check_s"] / r["fastt_s"] for r in out["overhead"] if "check_s" in r]
     lines += ["", "## Runtime overhead on one device", "",
               (f"The one-device plan on cpu:1 against plain eager PyTorch with the same threads, steps interleaved. "
               f"Median overhead: **{statistics.median(over):+.1%}**."
-               + (f" Of a step, reading the hyperparameters from the param groups and checking that the model, "
-                  f"optimizer and batch are what the step was captured for takes at most "
-                  f"**{max(inputs):.2%}** (median {statistics.median(inputs):.2%})." if inputs else "")), "",
-              "| model | threads | eager | fastt | overhead | inputs and checks |", "|---|---|---|---|---|---|"]
+               + (f" Of a step, reading the hyperparameters from the param groups takes at most "
+                  f"**{max(hyper):.3%}**, and checking that the model, optimizer and batch are what the step was "
+                  f"captured for at most **{max(checks):.2%}** (median {statistics.median(checks):.2%})."
+                  if hyper else "")), "",
+              "| model | threads | eager | fastt | overhead | hyperparameters | checks |",
+              "|---|---|---|---|---|---|---|"]
     for r in out["overhead"]:
-        part = f"{r['inputs_s'] * ms:.2f} ({r['inputs_s'] / r['fastt_s']:.2%})" if "inputs_s" in r else "-"
+        parts = [f"{r[k] * ms:.3f} ({r[k] / r['fastt_s']:.2%})" if k in r else "-" for k in ("hyper_s", "check_s")]
         lines.append(f"| {r['model']} | {r['threads']} | {r['eager_s'] * ms:.1f} | {r['fastt_s'] * ms:.1f} | "
-                     f"{r['overhead']:+.1%} | {part} |")
+                     f"{r['overhead']:+.1%} | {' | '.join(parts)} |")
     return "\n".join(lines) + "\n"
 
 

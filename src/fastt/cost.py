@@ -203,7 +203,9 @@ def fit_transfers(sizes: Sequence[float], seconds: Sequence[float], relative: bo
 
 def measure_copies(sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 5,
                    threads: int = 1) -> tuple[list[int], list[float]]:
-    """Median seconds to copy buffers of each size between two CPU worker devices (a memcpy here)."""
+    """Seconds to copy buffers of each size between two CPU worker devices (a memcpy here), the fastest of
+    `repeats`: noise only adds time, and one preempted copy in a median of few made a small size look slower than
+    a large one on a loaded machine (the fit then refused to find a bandwidth)."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -217,7 +219,7 @@ def measure_copies(sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24), r
                 t0 = time.perf_counter()
                 dst.copy_(src)
                 ts.append(time.perf_counter() - t0)
-            times.append(statistics.median(ts))
+            times.append(min(ts))
     finally:
         torch.set_num_threads(old)
     return list(sizes), times
@@ -246,7 +248,10 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
     finally:
         torch.set_num_threads(old)
     sizes, secs = measure_copies(threads=threads)
-    latency, bandwidth = fit_transfers(sizes, secs)
+    # A larger copy is never faster than a smaller one: a dip is noise. On a loaded machine a copy large enough
+    # to run on several threads waits for a scheduler slice at its barrier (8 ms for 1 MB, then 5 ms for 16 MB,
+    # measured here with two other jobs running), which a line fitted through the dip would read as no bandwidth.
+    latency, bandwidth = fit_transfers(sizes, np.maximum.accumulate(secs))
     # A copy of n bytes reads n and writes n: memory moves twice the copied bytes.
     devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead)
                     for d in cluster.devices)

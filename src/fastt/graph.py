@@ -259,10 +259,14 @@ def without_unplaced_updates(g: OpGraph, placed: Mapping[str, int]) -> OpGraph:
             and replica_of(op.name) > 0 and base_name(op.name) in kept}
     if not gone:
         return g
-    new = {}
-    ops = []
-    for i, op in enumerate(g.ops):
-        if i not in gone:
-            new[i] = len(ops)
-            ops.append(replace(op, inputs=tuple(new[j] for j in op.inputs), updates=tuple(new[u] for u in op.updates)))
+    first = min(gone)
+    new = list(range(len(g.ops)))  # each kept op's index in the new graph
+    ops = list(g.ops[:first])  # the ops before the first dropped one stay as they are
+    for i in range(first, len(g.ops)):
+        if i in gone:
+            continue
+        op = g.ops[i]
+        new[i] = len(ops)
+        ins, ups = tuple(new[j] for j in op.inputs), tuple(new[u] for u in op.updates)
+        ops.append(op if ins == op.inputs and ups == op.updates else replace(op, inputs=ins, updates=ups))
     return replace(g, ops=tuple(ops))
