@@ -8,10 +8,10 @@ from dataclasses import replace
 from ..cluster import Cluster
 from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..graph import OpGraph
+from ..graph import OpGraph, replicable
 from ..split import graph_for
 from ..strategy import Strategy
-from .mixed import EXPERTS, _stages_per_group, pipeline
+from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
 from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .search import spread_plans
 
@@ -29,16 +29,21 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     is left. Where none of them fits, pipelines with FINER micro-batches are tried until one does (memory-bound
     training)."""
     deadline = time.perf_counter() + budget_s
+    capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
     for name, expert in EXPERTS.items():
         try:
-            if name == "pipeline":
-                # The batch cut no finer than one shard a device: op times were measured at the batch and at its
-                # share per device (finer shards would be roofline guesses beside measured plans), and a finer cut
-                # is a capture of its own (13 s for bert-large); the spread search's cuts are pipelines too.
-                candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
-            else:
+            if name != "pipeline":
                 candidates.append(expert(graph, cluster, measured))
+                continue
+            # The batch cut into one shard a device: op times were measured at the batch and at its share per
+            # device (finer shards would be roofline guesses beside measured plans); the spread search's cuts
+            # are pipelines too. The expert's finer cut (GPipe's micro-batches) is a capture of its own (13 s for
+            # bert-large): on roofline costs, tried while the budget covers a capture as long as the last one.
+            candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
+            if (measured is None and _stages_per_group(cluster) < MICRO_BATCHES
+                    and time.perf_counter() + capture_s < deadline):
+                candidates.append(pipeline(graph, cluster, measured))
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
     try:
@@ -58,3 +63,12 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
         if not judged[-1][0][0]:
             break
     return replace(min(judged)[2], planner="fastt")
+
+
+def _capture_time(graph: OpGraph, n: int) -> float:
+    """Seconds to capture the step at batch/n, which the data-parallel and mixed plans all read (captured here,
+    first, so that it is timed: `rebatch` keeps it); 0 where there is no such step."""
+    t0 = time.perf_counter()
+    if n < 2 or graph.recapture is None or not replicable(graph, n):  # replicable captures it (or says no)
+        return 0.0
+    return time.perf_counter() - t0
