@@ -1,5 +1,6 @@
-"""FastT's rule before training: `parallelize` races the `fastt` planner's plan against data parallelism and keeps
-the faster, and the trial leaves no trace in training (eager PyTorch is the oracle)."""
+"""FastT's rule before training: `parallelize` races the `fastt` planner's plan against data parallelism and one
+device with every core, keeps the fastest, and the trial leaves no trace in training (eager PyTorch is the
+oracle)."""
 
 from __future__ import annotations
 
@@ -83,8 +84,13 @@ def test_a_plan_that_measures_slower_than_dp_is_rolled_back_and_says_so() -> Non
     step = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2")
     t = step.trial
     assert t is not None and t.steps == TRIAL_STEPS
-    assert t.kept == "dp" == step.strategy.planner and t.dp_s < t.fastt_plan_s
-    assert step.strategy.replicas == 2
+    assert t.kept == step.strategy.planner and t.dp_s is not None and t.one_device_s is not None
+    fastest = min(("fastt", t.fastt_plan_s), ("dp", t.dp_s), ("single", t.one_device_s), key=lambda x: x[1])
+    assert t.kept == fastest[0] != "fastt"
+    if t.kept == "dp":
+        assert step.strategy.replicas == 2 and len(step.cluster.devices) == 2
+    else:  # one worker device with both cores
+        assert len(step.cluster.devices) == 1 and step.threads_per_device == torch.get_num_threads()
     raw = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", trial=False)
     assert raw.trial is None and raw.strategy == ping_pong(raw.graph, raw.cluster)
 
@@ -132,7 +138,31 @@ def test_no_trial_for_another_planner_a_tuner_or_a_plan_that_is_dp(monkeypatch) 
     assert tuned.trial is None and tuned.tuner is not None
     real = decide.plan
     monkeypatch.setattr(decide, "plan", lambda graph, cl, planner="fastt", *a, **k: real(graph, cl, "dp"))
-    assert parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2").trial is None  # DP races nothing
+    t = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2").trial  # DP races one device alone
+    assert t is not None and t.dp_s is None and t.one_device_s is not None
+    assert parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", trial=False).trial is None
+
+
+def test_one_device_on_every_core_trains_as_eager() -> None:
+    """The trial's one-device rival: one worker device running with all the cores, its op times measured so, and
+    its steps equal to the eager steps (rtol 1e-5)."""
+    from fastt.runtime.step import all_cores
+
+    model, opt, inputs = make()
+    ref_model, ref_opt, _ = make()
+    first = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", "single")
+    step = all_cores(model, opt, first.graph, inputs)
+    assert [d.kind for d in step.cluster.devices] == ["cpu"] and step.threads_per_device == torch.get_num_threads()
+    assert step.costs.threads == torch.get_num_threads()
+    for i in range(3):
+        b = batch(i)
+        expected = eager_step(ref_model, nn.functional.mse_loss, ref_opt, b)
+        torch.testing.assert_close(step(*b), expected, rtol=1e-5, atol=1e-6)
+    for (n, x), y in zip(ref_model.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    # Its plan saved and given back (a resumed job) runs the same way on cpu:2: one device, every core.
+    again = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", strategy=step.strategy)
+    assert len(again.cluster.devices) == 1 and again.threads_per_device == torch.get_num_threads()
 
 
 def test_fastt_run_says_which_plan_the_trial_kept() -> None:
@@ -141,3 +171,7 @@ def test_fastt_run_says_which_plan_the_trial_kept() -> None:
     text = format_run({"model": "mlp", "devices": "cpu:2", "steps": 6, "results": [row], "max_param_rel_diff": None})
     assert "trial: fastt's plan 146.0 ms, dp 130.0 ms a step (median of 3): kept dp" in text
     assert "setup 4.2 s" in text
+    row["trial"] = {"fastt_plan_s": 0.146, "dp_s": None, "steps": 3, "kept": "single", "one_device_s": 0.1}
+    text = format_run({"model": "mlp", "devices": "cpu:2", "steps": 6, "results": [row], "max_param_rel_diff": None})
+    assert ("trial: fastt's plan 146.0 ms, one device on every core 100.0 ms a step (median of 3): kept one device "
+            "on every core") in text

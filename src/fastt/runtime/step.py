@@ -19,7 +19,7 @@ from ..cost import MeasuredCosts, calibrate_cpu, measure_step
 from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import Lowered
-from ..plan.basic import data_parallel
+from ..plan.basic import data_parallel, single_device
 from ..strategy import Strategy
 from .decide import decide, tuner_of
 from .local import Placed, place, run_step
@@ -104,10 +104,12 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     the optimizer's state stay there, the truth).
 
     Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
-    planner plans with them, and keeps its plan only if it measures faster than data parallelism (FastT's rule):
-    both run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that many;
-    False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial` has the
-    medians and which plan was kept (`fastt.runtime.trial`). `tune=True` (or a configured `Tuner`) instead
+    planner plans with them, and keeps its plan only if it measures faster than data parallelism and, on CPU
+    worker devices, than one device with every core (FastT's rule; that device is what plain eager PyTorch
+    uses): they run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that
+    many; False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial`
+    has the medians and which plan was kept (`fastt.runtime.trial`). A one-device `strategy` (the trial's
+    rival kept, saved) runs on one CPU worker device with every core. `tune=True` (or a configured `Tuner`) instead
     starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
     `clip_grad_norm` clips the gradients to that global norm before every update, as
     `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
@@ -121,6 +123,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp (or the "
                          "default), without tune or a strategy of your own")
     cl = cluster(devices)
+    if strategy is not None and strategy.n_devices == 1 and {d.kind for d in cl.devices} == {"cpu"}:
+        cl = cluster("cpu:1")  # a one-device plan (the trial's rival, `all_cores`) runs with every core
     _check_home(model, example_inputs, cl)
     cl = calibrate_cpu(cl)
     n = len(cl.devices)
@@ -146,8 +150,21 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
 
     step = placed(chosen.strategy, tuner)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
-        step = raced(step, placed, example_inputs, trial_steps(trial))
+        alone = None if cuda or n < 2 else lambda: all_cores(model, optimizer, graph, example_inputs)
+        step = raced(step, placed, example_inputs, trial_steps(trial), alone=alone)
     return step
+
+
+def all_cores(model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph,
+              example_inputs: Sequence[torch.Tensor]) -> ParallelStep:
+    """The step on one CPU worker device with every core: what plain eager PyTorch uses, its intra-op threads
+    splitting each op, and on a small machine often faster than any plan over worker devices of a core each.
+    Its op times are measured at that thread count, so its simulated time is its own."""
+    threads = torch.get_num_threads()
+    one = calibrate_cpu(cluster("cpu:1"))
+    costs = measure_step(graph, model, optimizer, example_inputs, [graph.batch], threads, 1)
+    return ParallelStep(model, optimizer, graph, one, costs, place(graph, single_device(graph, one), one, costs),
+                        threads)
 
 
 def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:

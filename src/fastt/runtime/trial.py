@@ -1,8 +1,9 @@
 """FastT's rule before training: the `fastt` planner's plan is kept only if it measures faster than data
-parallelism.
+parallelism and, on CPU worker devices, than one device with every core (what plain eager PyTorch uses: its
+intra-op threads).
 
-Both plans run a few steps on the model itself, in turn, and the faster median is kept (`raced`); `step.trial`
-records both. The model, the optimizer and the random generators are put back as they were after (`restored`),
+The plans run a few steps on the model itself, in turn, and the fastest median is kept (`raced`); `step.trial`
+records them. The model, the optimizer and the random generators are put back as they were after (`restored`),
 so training starts where it would have without the trial. Both runtimes race this way: `parallelize` on the
 example batch, `parallelize_distributed` every rank on its shard, timed between barriers, rank 0's times deciding.
 """
@@ -31,13 +32,15 @@ TRIAL_STEPS = 3  # steps each plan's median is of (after one warm-up step)
 
 
 class Trial(NamedTuple):
-    """fastt's plan against data parallelism before training: each one's median seconds a step, how many steps
-    each median is of, and the planner of the plan kept (`fastt` or `dp`)."""
+    """fastt's plan against its rivals before training: each one's median seconds a step (None for a rival not
+    raced), how many steps each median is of, and the planner of the plan kept (`fastt`, `dp`, or `single`: one
+    device with every core)."""
 
     fastt_plan_s: float
-    dp_s: float
+    dp_s: float | None
     steps: int
     kept: str
+    one_device_s: float | None = None
 
 
 def trial_steps(trial: bool | int) -> int:
@@ -120,15 +123,21 @@ def trial_times(contenders: Sequence[PlacedStep], batch: Sequence[torch.Tensor],
 
 def raced(step: S, place_dp: Callable[[Strategy], S], batch: Sequence[torch.Tensor], steps: int,
           clock: Callable[..., float] = timed,
-          agree: Callable[[list[float]], list[float]] = lambda times: times) -> S:
-    """`step` (the `fastt` planner's plan), or the step `place_dp(dp)` of data parallelism where that measured
-    faster over `steps` steps (`trial_times`), with the `Trial` on the one kept; `step` as it is where there is
-    no rival (`dp_rival`) or no steps. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
-    dp = dp_rival(step) if steps else None
-    if dp is None:
+          agree: Callable[[list[float]], list[float]] = lambda times: times,
+          alone: Callable[[], S] | None = None) -> S:
+    """`step` (the `fastt` planner's plan), or the rival that measured faster over `steps` steps
+    (`trial_times`): the step `place_dp(dp)` of data parallelism (`dp_rival`), and `alone()`, one device with
+    every core, where given. The one kept has the `Trial`; `step` is returned as it is where there is no rival or
+    no steps, and wins ties. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
+    if not steps:
         return step
-    rival = place_dp(dp)
-    times = agree(trial_times([step, rival], batch, steps, clock))
-    kept = step if times[0] <= times[1] else rival
-    kept.trial = Trial(times[0], times[1], steps, kept.strategy.planner)
+    dp = dp_rival(step)
+    rivals = ([place_dp(dp)] if dp is not None else []) + ([alone()] if alone is not None else [])
+    if not rivals:
+        return step
+    contenders = [step, *rivals]
+    times = agree(trial_times(contenders, batch, steps, clock))
+    kept = contenders[min(range(len(times)), key=lambda k: (times[k], k))]
+    kept.trial = Trial(times[0], times[1] if dp is not None else None, steps, kept.strategy.planner,
+                       times[-1] if alone is not None else None)
     return kept
