@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -181,10 +182,23 @@ def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
     raise FasttError(f"bad cluster spec {spec!r}: expected {SPEC_FORMS}")
 
 
-def _check_count(n: int, what: str) -> None:
-    """Raise FasttError unless a spec's count n is at least one."""
+# The most devices a cluster may have. Routes are per ordered pair (n² of them) and the simulator and planners
+# keep per-device state: at this size a data-parallel plan of resnet50 is planned and simulated in seconds
+# (docs/design.md), beyond it building the routes alone takes minutes and gigabytes.
+MAX_DEVICES = 1024
+# The largest number a cluster file may give (bytes, FLOP/s, bytes/s, seconds): beyond any real device, and
+# small enough that sums over a plan stay finite and integers fit in 64 bits.
+MAX_VALUE = 1e18
+
+
+def _check_count(n: int, what: str, total: int | None = None) -> None:
+    """Raise FasttError unless a spec's count n is at least one and the cluster's `total` devices (n when
+    not given) at most MAX_DEVICES."""
     if n < 1:
         raise FasttError(f"cluster spec needs at least one {what}, got {n}")
+    if (total or n) > MAX_DEVICES:
+        raise FasttError(f"a cluster of {total or n} devices is more than fastt plans and simulates "
+                         f"(at most {MAX_DEVICES}); plan fewer devices")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,8 +329,8 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: flo
     p = GPU_PRESETS.get(gpu.lower())
     if p is None or link not in ("nvlink", "pcie"):
         raise FasttError(f"bad cluster spec '{nodes}x{n}x{gpu}-{link}': expected {SPEC_FORMS}")
-    _check_count(n, "GPU per node")
-    _check_count(nodes, "node")
+    _check_count(n, "GPU per node", n * nodes)
+    _check_count(nodes, "node", n * nodes)
     multi = nodes > 1
     devices = tuple(Device(f"{p.name}:{k}.{i}" if multi else f"{p.name}:{i}", p.name, p.memory_bytes, p.flops,
                            p.mem_bandwidth, k, GPU_OP_OVERHEAD) for k in range(nodes) for i in range(n))
@@ -369,6 +383,7 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
         raise FasttError("no CUDA device visible; use cpu:N or a simulated cluster such as 4xV100")
     count = torch.cuda.device_count()
     ids = list(range(count)) if ids is None else list(ids)
+    _check_count(len(ids), "CUDA device")
     if any(not 0 <= i < count for i in ids):
         raise FasttError(f"bad CUDA device ids {ids}: {count} visible (0..{count - 1})")
     gpus = list(dict.fromkeys(ids))
@@ -425,36 +440,78 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
     the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
     pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per byte, s per
-    tensor] (see Cluster).
+    tensor] (see Cluster). Every number must be finite and at most `MAX_VALUE`; anything else is a FasttError
+    naming the field.
     """
     def fail(msg: str) -> FasttError:
         return FasttError(f"{where}: {msg}")
 
-    try:
-        devices = tuple(Device(str(d["name"]), str(d["kind"]), int(d["memory_bytes"]), float(d["flops"]),
-                               float(d["mem_bandwidth"]), int(d.get("node", 0)), float(d.get("op_overhead_s", 0.0)))
-                        for d in data["devices"])
-        links = tuple(Link(str(lk["name"]), float(lk["bandwidth"]), float(lk["latency"])) for lk in data["links"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise fail(f"bad or missing field {e}; see fastt.cluster.from_dict for the format") from None
+    if not isinstance(data, Mapping):
+        raise fail(f"expected an object with devices and links, got {type(data).__name__}")
+    devices = tuple(_device(d, i, fail) for i, d in enumerate(_items(data, "devices", fail)))
+    links = tuple(_link(lk, k, fail) for k, lk in enumerate(_items(data, "links", fail)))
     if not devices:
         raise fail("no devices")
-    if any(d.flops <= 0 or d.mem_bandwidth <= 0 or d.memory_bytes <= 0 for d in devices):
-        raise fail("every device needs positive memory_bytes, flops and mem_bandwidth")
-    if any(lk.bandwidth <= 0 or lk.latency < 0 for lk in links):
-        raise fail("every link needs a positive bandwidth and a non-negative latency")
+    _check_count(len(devices), "device")
+    if len({d.name for d in devices}) != len(devices) or len({lk.name for lk in links}) != len(links):
+        raise fail("device names and link names must be unique")
+    routes = _routes(data, devices, links, fail)
+    return Cluster(str(data.get("name", where)), devices, links, routes, _gather(data.get("gather"), fail))
+
+
+def _items(data: Mapping[str, Any], key: str, fail: Callable[[str], FasttError]) -> list[Mapping[str, Any]]:
+    """data[key]: a list of objects (devices or links)."""
+    items = data.get(key)
+    if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
+        raise fail(f"{key!r} must be a list of objects; see fastt.cluster.from_dict for the format")
+    return items
+
+
+def _number(obj: Mapping[str, Any], key: str, what: str, fail: Callable[[str], FasttError], *,
+            default: float | None = None, positive: bool = True, integer: bool = False) -> Any:
+    """obj[key] as a finite number (an int if `integer`), positive or non-negative, at most MAX_VALUE."""
+    x = obj.get(key, default)
+    if x is None:
+        raise fail(f"{what}: missing field {key!r}")
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 <= x <= MAX_VALUE
+    if not ok or positive and x == 0 or integer and x != int(x):
+        kind = "a whole number" if integer else "a number"
+        raise fail(f"{what}: {key} must be {kind} {'>' if positive else '≥'} 0 and at most {MAX_VALUE:g}, "
+                   f"got {x!r}")
+    return int(x) if integer else float(x)
+
+
+def _device(d: Mapping[str, Any], i: int, fail: Callable[[str], FasttError]) -> Device:
+    what = f"device {i}"
+    for key in ("name", "kind"):
+        if key not in d:
+            raise fail(f"{what}: missing field {key!r}")
+    return Device(str(d["name"]), str(d["kind"]), _number(d, "memory_bytes", what, fail, integer=True),
+                  _number(d, "flops", what, fail), _number(d, "mem_bandwidth", what, fail),
+                  _number(d, "node", what, fail, default=0, positive=False, integer=True),
+                  _number(d, "op_overhead_s", what, fail, default=0.0, positive=False))
+
+
+def _link(lk: Mapping[str, Any], k: int, fail: Callable[[str], FasttError]) -> Link:
+    if "name" not in lk:
+        raise fail(f"link {k}: missing field 'name'")
+    what = f"link {lk['name']!s}"
+    return Link(str(lk["name"]), _number(lk, "bandwidth", what, fail),
+                _number(lk, "latency", what, fail, positive=False))
+
+
+def _routes(data: Mapping[str, Any], devices: Sequence[Device], links: Sequence[Link],
+            fail: Callable[[str], FasttError]) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Every ordered pair of distinct devices' route: the links whose "pairs" name it, or the "routes" entry."""
     dev_index = {d.name: i for i, d in enumerate(devices)}
     link_index = {lk.name: k for k, lk in enumerate(links)}
-    if len(dev_index) != len(devices) or len(link_index) != len(links):
-        raise fail("device names and link names must be unique")
 
     def dev(ref: Any) -> int:
         if isinstance(ref, str) and ref.strip() in dev_index:
             return dev_index[ref.strip()]
-        try:
-            i = int(ref)
-        except (TypeError, ValueError):
-            raise fail(f"unknown device {ref!r}") from None
+        if isinstance(ref, bool) or not isinstance(ref, (int, str)) or not str(ref).strip().isdigit():
+            raise fail(f"unknown device {ref!r}")
+        i = int(ref)
         if not 0 <= i < len(devices):
             raise fail(f"device index {i} out of range 0..{len(devices) - 1}")
         return i
@@ -468,23 +525,33 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
         routes[key] = route
 
     for k, lk in enumerate(data["links"]):
-        for pair in lk.get("pairs", ()):
-            if len(pair) != 2:
+        pairs = lk.get("pairs", [])
+        if not isinstance(pairs, list):
+            raise fail(f"link {links[k].name!r}: pairs must be a list of [src, dst], got {pairs!r}")
+        for pair in pairs:
+            if not isinstance(pair, list) or len(pair) != 2:
                 raise fail(f"link {links[k].name!r}: a pair is [src, dst], got {pair!r}")
             add(pair[0], pair[1], (k,))
-    for key, names in dict(data.get("routes", {})).items():
-        if str(key).count(",") != 1 or not names or any(n not in link_index for n in names):
+    multi = data.get("routes", {})
+    if not isinstance(multi, Mapping):
+        raise fail(f"routes must map \"src,dst\" to lists of link names, got {type(multi).__name__}")
+    for key, names in multi.items():
+        if (str(key).count(",") != 1 or not isinstance(names, list) or not names
+                or any(not isinstance(n, str) or n not in link_index for n in names)):
             raise fail(f"route {key!r}: expected \"src,dst\": [known link names], got {names!r}")
         add(*str(key).split(","), tuple(link_index[n] for n in names))
     missing = [p for p in itertools.permutations(range(len(devices)), 2) if p not in routes]
     if missing:
         raise fail(f"no route for device pairs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    gather = data.get("gather")
-    if gather is not None:
-        try:
-            gather = tuple(float(x) for x in gather)
-        except (TypeError, ValueError):
-            gather = ()
-        if len(gather) != 3 or min(gather) < 0:
-            raise fail(f"gather is [latency s, s per byte, s per tensor], all ≥ 0; got {data['gather']!r}")
-    return Cluster(str(data.get("name", where)), devices, links, routes, gather)
+    return routes
+
+
+def _gather(gather: Any, fail: Callable[[str], FasttError]) -> tuple[float, float, float] | None:
+    """The optional "gather": [latency s, s per byte, s per tensor], each finite and ≥ 0."""
+    if gather is None:
+        return None
+    what = "gather is [latency s, s per byte, s per tensor]"
+    if not isinstance(gather, list) or len(gather) != 3:
+        raise fail(f"{what}, all ≥ 0; got {gather!r}")
+    fields = dict(zip(("latency", "per_byte", "per_tensor"), gather))
+    return tuple(_number(fields, k, what, fail, positive=False) for k in fields)  # type: ignore[return-value]
