@@ -18,11 +18,11 @@ from fastt.cluster import (
     Link,
     cluster,
     cpu_threads,
-    from_dict,
     preset_for,
     torch_device,
     with_links,
 )
+from fastt.cluster_file import from_dict
 from fastt.errors import FasttError
 
 
