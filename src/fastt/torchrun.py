@@ -126,7 +126,7 @@ def run_group(cmd: Sequence[str], env: dict[str, str], log) -> int:
             signal.signal(sig, handler)
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def _stop_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     """Wait until no process of `proc`'s group is left (reaping `proc`), killing the group after `grace_s`: a
     rank in a collective may not see the signal until its peers' timeout. Gives up a second after the kill on
     processes that are gone but not yet reaped by their new parent."""
