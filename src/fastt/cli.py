@@ -116,7 +116,8 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
             except FasttError as e:
                 if p not in OPTIONAL:
                     raise
-                rows.append({"model": model_name(m), "planner": p, "skipped": str(e)})  # an expert plan that does not apply
+                # an expert plan that does not apply
+                rows.append({"model": model_name(m), "planner": p, "skipped": str(e)})
                 bar.update()
                 continue
             plan_s = time.perf_counter() - t0
@@ -125,7 +126,8 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
         dp_time = results["dp"][0].iteration_s if "dp" in results else None
         for p, (tl, plan_s, strategy) in results.items():
             rows.append({
-                "model": model_name(m), "planner": p, "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s,
+                "model": model_name(m), "planner": p, "iteration_s": tl.iteration_s,
+                "lower_bound_s": tl.lower_bound_s,
                 "lower_bound_ratio": tl.iteration_s / tl.lower_bound_s if tl.lower_bound_s else None,
                 "speedup_over_dp": dp_time / tl.iteration_s if dp_time else None, "plan_s": plan_s,
                 "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes], "fits": bool(tl.fits),
@@ -164,7 +166,8 @@ def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str,
             return t[b] is not None and t[b].fits
         lo = _largest(start, n, fits)
         tl = timelines.get(lo)
-        rows.append({"model": model_name(model), "planner": p, "max_batch": lo, "iteration_s": tl.iteration_s if tl else None,
+        rows.append({"model": model_name(model), "planner": p, "max_batch": lo,
+                     "iteration_s": tl.iteration_s if tl else None,
                      "samples_per_s": lo / tl.iteration_s if tl else 0.0,
                      "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes] if tl else []})
     return rows
