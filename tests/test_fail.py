@@ -174,6 +174,16 @@ def test_each_bad_input_is_one_line_in_process(row: str, files: Path, capsys: py
     one_line(subprocess.CompletedProcess(args, got, out.out, out.err), *said, code=code)
 
 
+def test_fastt_debug_shows_the_traceback(files: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FASTT_DEBUG=1: the error is raised out of main (Python prints its traceback), not turned into a line."""
+    from fastt import cli
+
+    monkeypatch.chdir(files)
+    monkeypatch.setenv("FASTT_DEBUG", "1")
+    with pytest.raises(FasttError, match="returned an object of type int"):
+        cli.main(ROWS["returns an int"][0])
+
+
 def test_a_file_model_takes_batch_and_optimizer_and_is_named_by_its_function(ran: dict) -> None:
     """The table names the model m:sized, not the whole path, and shows the batch the function was given."""
     r = ran["file model by name"]
@@ -295,15 +305,37 @@ JUNK = st.recursive(
     max_leaves=6)
 
 
+def _strings(doc: object) -> list[str]:
+    """Every string in doc, keys too (op, device and link names: junk that gets past a type check)."""
+    if isinstance(doc, dict):
+        return [*doc, *(t for v in doc.values() for t in _strings(v))]
+    if isinstance(doc, list):
+        return [t for v in doc for t in _strings(v)]
+    return [doc] if isinstance(doc, str) else []
+
+
+def _like(value: object, names: list[str]) -> st.SearchStrategy:
+    """Junk of value's own type: small or negative numbers, another name, a list shortened or repeated."""
+    if isinstance(value, bool) or value is None:
+        return JUNK
+    if isinstance(value, (int, float)):
+        return st.sampled_from([0, 1, 2, 3, -1, 0.5, 1e30, math.inf, math.nan])
+    if isinstance(value, str):
+        return st.sampled_from(names or [""])
+    if isinstance(value, list):
+        return st.sampled_from([[], value[:1], value[1:], value + value[:1], value[::-1]])
+    return st.just({})
+
+
 def _mutated(draw, doc: object) -> object:
-    """doc with 1-3 values somewhere inside (or doc itself) replaced by junk."""
-    doc = copy.deepcopy(doc)
+    """doc with 1-3 values somewhere inside (or doc itself) replaced by junk, of any type or of its own."""
+    doc, names = copy.deepcopy(doc), sorted(set(_strings(doc)))
     for _ in range(draw(st.integers(1, 3))):
         node = doc
         while isinstance(node, (dict, list)) and node:
             key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
             if not isinstance(node[key], (dict, list)) or not node[key] or draw(st.booleans()):
-                node[key] = draw(JUNK)
+                node[key] = draw(JUNK | _like(node[key], names))
                 break
             node = node[key]
         else:
