@@ -48,7 +48,7 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
 def _torchrun_ranks(devices: str) -> tuple[int, str, dict[str, str]]:
     """(ranks, device kind, environment) of `--launcher torchrun --devices SPEC`."""
     spec, env = devices.strip().lower(), dict(os.environ)
-    if m := re.fullmatch(r"cpu:(\d+)", spec):
+    if re.fullmatch(r"cpu:\d+", spec):
         return len(cluster(spec)), "cpu", env
     if m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", spec):  # a GPU per rank: those named, or all
         ids = None if m[1] is None else [int(i) for i in m[1].split(",")]
