@@ -448,13 +448,21 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _terminated(signum: int, _frame) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `fastt` command: a FasttError is one line on stderr and exit code 2, an interrupt one line and 128 +
     the signal (130 for Ctrl-C); FASTT_DEBUG=1 shows their tracebacks instead."""
     debug = os.environ.get("FASTT_DEBUG") == "1"
     try:
         args = parser().parse_args(argv)
-        args.fn(args)
+        previous = signal.signal(signal.SIGTERM, _terminated)  # as a job scheduler stops a job: like Ctrl-C
+        try:
+            args.fn(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except FasttError as e:
         if debug:
             raise
