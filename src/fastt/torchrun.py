@@ -78,22 +78,23 @@ def _torchrun_command(a: argparse.Namespace, planners: Sequence[str], nproc: int
 
 
 def _rank_failure(log: Path) -> str:
-    """What the job's failure was: the first failure the ranks recorded (every survivor reports it), else the
-    rank torchrun saw die first (a killed rank says nothing, and torchrun stops its peers at once), else the end
-    of torchrun's log."""
+    """What the job's failure was: a rank that died of a signal, as torchrun saw it first (a killed rank says
+    nothing; its peers may only say they lost it), else the first failure the ranks recorded (every survivor
+    reports it), else the rank torchrun saw fail, else the end of torchrun's log."""
     text = log.read_text(errors="replace")
+    root = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
+    rank = re.search(r"\brank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$", root, re.MULTILINE)
+    died = (f"rank {rank[1]} died ({f'killed by {code[2]}' if code[2] else f'exit code {code[1]}'})"
+            if rank and code else None)
+    if died and code[2]:
+        return f"{died} without a word: was it killed, or out of memory?"
     said = [line[len("fastt: "):] for line in text.splitlines()
             if line.startswith("fastt: ") and "kills itself" not in line]
     first = [m[1] for line in said if (m := re.search(r"\(first failure in the job: (.*)\)$", line))]
     if first or said:
         return (first or said)[0]
-    root = text.split("Root Cause", 1)[-1]
-    rank = re.search(r"\brank\s*:\s*(\d+)", root)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$", root, re.MULTILINE)
-    if rank and code:
-        how = f"killed by {code[2]}" if code[2] else f"exit code {code[1]}"
-        return f"rank {rank[1]} died ({how}) without a word: was it killed, or out of memory?"
-    return " ".join(text.strip().splitlines()[-1:])[-300:] or "no output"
+    return died or " ".join(text.strip().splitlines()[-1:])[-300:] or "no output"
 
 
 def run_group(cmd: Sequence[str], env: dict[str, str], log) -> int:
