@@ -60,7 +60,7 @@ def _workload_of(spec: str, got: object) -> tuple:
         what = f"{len(got)} items" if isinstance(got, (tuple, list)) else f"an object of type {type(got).__name__}"
         raise FasttError(f"{spec} returned {what}: {want}")
     model, loss_fn, opt, inputs = got
-    wrong = [f"{name} is a {type(x).__name__}" for name, x, ok in (
+    wrong = [f"{name} is of type {type(x).__name__}" for name, x, ok in (
         ("model", model, isinstance(model, torch.nn.Module)), ("loss_fn", loss_fn, callable(loss_fn)),
         ("optimizer", opt, isinstance(opt, torch.optim.Optimizer)),
         ("example_inputs", inputs, isinstance(inputs, (tuple, list)) and len(inputs) > 0
