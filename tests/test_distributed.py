@@ -301,7 +301,9 @@ def test_each_rank_reads_its_shard_and_trains_as_the_whole_batch(tmp_path: Path)
 
 def fastt_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "fastt.cli", "run", "--devices", "cpu:2", *args]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300, cwd=cwd)
+    # TMPDIR: the log fastt keeps of a failed torchrun job stays in the test's folder
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env={**ENV, "TMPDIR": str(cwd)},
+                          timeout=300, cwd=cwd)
 
 
 MODELS = Path(__file__).parent / "distributed_models.py"
