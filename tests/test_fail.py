@@ -221,6 +221,10 @@ def test_a_wrong_batch_to_step_names_the_argument() -> None:
             step.run(model, opt, *batch)
         assert said in str(e.value)
     step.run(model, opt, x, y)  # the right batch still runs
+    graph = fastt.capture(model, torch.nn.functional.cross_entropy, opt, (x, y))
+    for batch in [(x,), (x.double(), y)]:  # measuring the step: a worker's KeyError or a kernel's dtype error
+        with pytest.raises(FasttError, match=r"^measure: example_inputs are"):
+            fastt.measure(graph, model, opt, batch, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
