@@ -7,7 +7,7 @@ import torch
 
 import fastt
 from fastt import zoo
-from fastt.capture import capture_step
+from fastt.capture import capture_step, fused_kernels
 from fastt.errors import FasttError
 from fastt.runtime import reference
 
@@ -43,7 +43,7 @@ def test_captured_step_matches_eager(name: str, optimizer: str) -> None:
     step = capture_step(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
     # The captured nn.LSTM is PyTorch's native decomposition (portable to any device); eager CPU would pick
     # oneDNN's fused kernel, which rounds differently: the reference runs the same native kernels.
-    with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+    with fused_kernels(name not in RECURRENT):
         for i in range(3):
             batch = fresh_batch(ref, i)
             expected = eager_step(ref, batch)

@@ -18,11 +18,11 @@ from fastt.cluster import (
     Link,
     cluster,
     cpu_threads,
-    from_dict,
     preset_for,
     torch_device,
     with_links,
 )
+from fastt.cluster_file import from_dict
 from fastt.errors import FasttError
 
 
@@ -226,7 +226,7 @@ def test_bad_json_files(tmp_path: Path) -> None:
     with pytest.raises(FasttError, match="not readable JSON"):
         cluster(str(bad))
     bad.write_text(json.dumps({"devices": [{"name": "a"}], "links": []}))
-    with pytest.raises(FasttError, match="bad or missing field"):
+    with pytest.raises(FasttError, match="device 0: missing field .kind."):
         cluster(str(bad))
     d = Device("a", "x", 1, 1.0, 1.0)
     good = Cluster("two", (d, Device("b", "x", 1, 1.0, 1.0)), (Link("l", 1.0, 0.0),), {(0, 1): (0,), (1, 0): (0,)})

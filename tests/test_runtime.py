@@ -16,6 +16,7 @@ from test_capture import RECURRENT, eager_step, fresh_batch
 
 import fastt
 from fastt import zoo
+from fastt.capture import fused_kernels
 from fastt.cluster import cluster
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
@@ -65,7 +66,7 @@ def test_model_parallel_plans_train_exactly(name: str, planner: str) -> None:
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner)
     for i in range(STEPS):
         batch = fresh_batch(ref, i)
-        with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+        with fused_kernels(name not in RECURRENT):
             expected = eager_step(ref, batch)
         torch.testing.assert_close(step(*batch), expected, rtol=1e-5, atol=1e-6)
     assert_same(ref, ours)
@@ -115,7 +116,7 @@ def test_every_model_and_planner_trains_as_eager(name: str, planner: str) -> Non
         batch = fresh_batch(ref, i)
         if stepwise:
             same_state(ref, ours)
-        with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+        with fused_kernels(name not in RECURRENT):
             eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, step.strategy.replicas)
         step(*batch)
         if stepwise:

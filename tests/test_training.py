@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastt import zoo
+from fastt.capture import fused_kernels
 from fastt.errors import FasttError
 from fastt.runtime import parallelize
 from fastt.runtime.reference import (
@@ -366,7 +367,7 @@ def test_every_zoo_model_with_a_schedule_and_clipping(name: str, planner: str, s
     def make() -> tuple:
         w = zoo.get(name, "test", dropout=False)
         return w.model, w.loss_fn, w.optimizer, w.example_inputs
-    with torch.backends.mkldnn.flags(enabled=name not in ("rnnlm", "gnmt")):
+    with fused_kernels(name not in ("rnnlm", "gnmt")):
         diff, ours, theirs = train_both(make, planner, schedule, steps=20 if FULL else 3, clip=1.0)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert diff <= 1e-5

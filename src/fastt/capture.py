@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from math import inf
 
@@ -214,6 +214,12 @@ class Step:
               replicas: int = 1) -> None:
         """Refuse a model, optimizer or batch (of `replicas` times this step's) that this captured step cannot
         run, naming what changed."""
+        want = [((shape[0] * replicas, *shape[1:]) if replicas > 1 and shape else shape, dtype)
+                for shape, dtype in self.structure["the batch's shapes and dtypes"]]
+        why = batch_mismatch(batch, want)
+        if why:
+            raise FasttError(f"{why}: pass a batch like the example inputs the step was captured with, or capture "
+                             "again with such a batch")
         share = [x[:x.shape[0] // replicas] if replicas > 1 and x.dim() else x for x in batch]
         changed = _changed(self.structure, _structure(model, optimizer, share))
         if changed:
@@ -296,6 +302,21 @@ _FLAGS = ("nesterov", "dampening", "amsgrad", "maximize", "decoupled_weight_deca
           "capturable", "differentiable")
 
 
+def batch_mismatch(batch: Sequence[object], want: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    """Why the tensors passed to a step are not `want`'s (shape, dtype) each, naming the first argument that
+    differs; '' when they are."""
+    if len(batch) != len(want):
+        return (f"step(...) got {len(batch)} argument(s), the captured step takes {len(want)} (the model's inputs, "
+                "then the target)")
+    for i, (x, (shape, dtype)) in enumerate(zip(batch, want)):
+        if not isinstance(x, torch.Tensor):
+            return f"step(...) argument {i} is of type {type(x).__name__}, not a tensor"
+        if x.dtype != dtype or tuple(x.shape) != tuple(shape):
+            return (f"step(...) argument {i} is a {x.dtype} tensor of shape {tuple(x.shape)}, the captured "
+                    f"step's is {dtype} of shape {tuple(shape)}")
+    return ""
+
+
 def _structure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor]) -> dict:
     """What the captured step is specialised to, each item named as a user would say it. Tensors are known by
     identity (a replaced layer is another tensor), cheaply: this runs before every step."""
@@ -366,7 +387,7 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys,
         def loss_of(ps, bufs):
             tensors = {f"model.{n}": t for n, t in [*zip(names, ps), *zip(buffer_names, bufs)]}
             loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise FasttError("loss_fn must return a scalar tensor (reduce the loss with a mean or a sum), got "
                                  + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                                     else type(loss).__name__))
@@ -393,10 +414,31 @@ def _portable_kernels():
     must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks the
     oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one aten op
     either way and still run on cuDNN.)"""
+    with fused_kernels(False):
+        yield
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """`torch.backends.mkldnn.flags(enabled=...)` and cuDNN's, quietly: on a build without Intel GPU support the
+    mkldnn flags warn, on entry and on exit, that "TF32 acceleration on top of oneDNN is available for Intel
+    GPUs" (a setting fastt leaves alone), which would be the only line on stderr of every `fastt run`."""
+    flags = contextlib.ExitStack()
+    with _no_tf32_note():
+        flags.enter_context(torch.backends.mkldnn.flags(enabled=enabled))
+        flags.enter_context(torch.backends.cudnn.flags(enabled=enabled))
+    try:
+        yield
+    finally:
+        with _no_tf32_note():
+            flags.close()
+
+
+@contextlib.contextmanager
+def _no_tf32_note() -> Iterator[None]:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the flag's TF32 note about Intel GPUs
-        with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
-            yield
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN", category=UserWarning)
+        yield
 
 
 def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,

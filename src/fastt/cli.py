@@ -6,9 +6,8 @@ import argparse
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,12 +16,12 @@ import torch
 from tqdm import tqdm
 
 from . import api
-from .capture import check_clip
-from .cluster import Cluster, cluster, cuda_cluster
+from .capture import check_clip, fused_kernels
+from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, measure_step
-from .errors import FasttError
+from .errors import FasttError, Interrupted
 from .graph import OpGraph
-from .launch import training_options
+from .launch import fault_spec, positive_float, positive_int, training_options
 from .layers import where
 from .plan import PLANNERS, get_planner
 from .plan.portfolio import OPTIONAL
@@ -30,7 +29,8 @@ from .report import format_run, write_gantt, write_trace
 from .simulate import inter_node_bytes
 from .split import graph_for
 from .strategy import Strategy
-from .workload import check_models, is_file_spec, load_workload
+from .torchrun import run_torchrun
+from .workload import check_models, is_file_spec, load_workload, model_name
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +38,26 @@ class _Parser(argparse.ArgumentParser):
         raise FasttError(f"{message} (see `{self.prog} --help`)")
 
 
-def load_graph(spec: str, size: str, batch: int | None, optimizer: str) -> OpGraph:
+def check_writable(*paths: str | None) -> None:
+    """Refuse an output file that cannot be written, before the long work (capture, planning) whose result it
+    would hold: a file that did not exist is made and removed again."""
+    for path in paths:
+        if not path:
+            continue
+        target = Path(path)
+        if target.is_dir():
+            raise FasttError(f"{path} is a folder: give the name of a file to write")
+        existed = target.exists()
+        try:
+            with open(target, "a"):
+                pass
+        except OSError as e:
+            raise FasttError(f"cannot write {path}: {e.strerror}; give a path in a folder you can write") from None
+        if not existed:
+            target.unlink()
+
+
+def load_graph(spec: str, size: str, batch: int | None, optimizer: str | None) -> OpGraph:
     """Capture the training step of a model spec (see load_workload)."""
     name, model, loss_fn, opt, inputs = load_workload(spec, size, batch, optimizer)
     return api.capture(model, loss_fn, opt, inputs, name=name)
@@ -66,7 +85,7 @@ def _gb(n: float) -> float:
 
 
 def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-            optimizer: str, progress: bool = True, budget_s: float | None = None) -> list[dict]:
+            optimizer: str | None, progress: bool = True, budget_s: float | None = None) -> list[dict]:
     """Every planner on every model, simulated: the rows of `fastt compare`."""
     check_models(models)
     rows = []
@@ -83,7 +102,7 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
 
 
 def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-                  optimizer: str, bar: tqdm, budget_s: float | None) -> list[dict]:
+                  optimizer: str | None, bar: tqdm, budget_s: float | None) -> list[dict]:
     rows = []
     for m in models:
         bar.set_postfix_str(f"capturing {m}")
@@ -97,7 +116,8 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
             except FasttError as e:
                 if p not in OPTIONAL:
                     raise
-                rows.append({"model": m, "planner": p, "skipped": str(e)})  # an expert plan that does not apply
+                # an expert plan that does not apply
+                rows.append({"model": model_name(m), "planner": p, "skipped": str(e)})
                 bar.update()
                 continue
             plan_s = time.perf_counter() - t0
@@ -106,7 +126,8 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
         dp_time = results["dp"][0].iteration_s if "dp" in results else None
         for p, (tl, plan_s, strategy) in results.items():
             rows.append({
-                "model": m, "planner": p, "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s,
+                "model": model_name(m), "planner": p, "iteration_s": tl.iteration_s,
+                "lower_bound_s": tl.lower_bound_s,
                 "lower_bound_ratio": tl.iteration_s / tl.lower_bound_s if tl.lower_bound_s else None,
                 "speedup_over_dp": dp_time / tl.iteration_s if dp_time else None, "plan_s": plan_s,
                 "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes], "fits": bool(tl.fits),
@@ -117,7 +138,7 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
     return rows
 
 
-def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str,
+def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str | None,
                     budget_s: float | None = None) -> list[dict]:
     """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan the
     simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch is a
@@ -145,7 +166,8 @@ def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str,
             return t[b] is not None and t[b].fits
         lo = _largest(start, n, fits)
         tl = timelines.get(lo)
-        rows.append({"model": model, "planner": p, "max_batch": lo, "iteration_s": tl.iteration_s if tl else None,
+        rows.append({"model": model_name(model), "planner": p, "max_batch": lo,
+                     "iteration_s": tl.iteration_s if tl else None,
                      "samples_per_s": lo / tl.iteration_s if tl else 0.0,
                      "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes] if tl else []})
     return rows
@@ -223,6 +245,7 @@ def cmd_compare(a: argparse.Namespace) -> None:
 
 def cmd_plan(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
+    check_writable(a.out)
     get_planner(a.planner)  # fail before the capture, which may take seconds
     graph = load_graph(a.model, a.size, a.batch, a.optimizer)
     strategy = api.plan(graph, cl, a.planner, budget_s=a.budget)
@@ -234,7 +257,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
                "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes,
                "layers": [{"layers": names, "held_on": devs} for names, devs in held]}
     print(json.dumps(summary) if a.json else
-          f"{a.model} on {a.cluster} with {a.planner}: {tl.iteration_s * 1e3:.1f} ms per iteration"
+          f"{model_name(a.model)} on {a.cluster} with {a.planner}: {tl.iteration_s * 1e3:.1f} ms per iteration"
           f"{'' if tl.fits else ' (does not fit)'}; {graph.fx_nodes} aten nodes grouped into {len(graph.ops)} ops"
           + (f"; strategy written to {a.out}" if a.out else "")
           + "".join(f"\n  {names}: {devs}" for names, devs in held))
@@ -242,6 +265,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
 
 def cmd_simulate(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
+    check_writable(a.trace, a.gantt, None if a.cost_file and Path(a.cost_file).is_file() else a.cost_file)
     if a.costs == "measured":
         if any(d.kind != "cpu" for d in cl.devices):
             raise FasttError("--costs measured times ops on this machine: use a cpu:N cluster")
@@ -269,7 +293,7 @@ def cmd_simulate(a: argparse.Namespace) -> None:
     if a.json:
         print(json.dumps(summary))
         return
-    print(f"{a.model} on {cl.name} ({strategy.planner}): {tl.iteration_s * 1e3:.2f} ms per iteration, "
+    print(f"{model_name(a.model)} on {cl.name} ({strategy.planner}): {tl.iteration_s * 1e3:.2f} ms per iteration, "
           f"lower bound {tl.lower_bound_s * 1e3:.2f} ms")
     for d, dev in enumerate(cl.devices):
         print(f"  {dev.name}: busy {tl.busy_s[d] * 1e3:.1f} ms, peak memory {_gb(tl.peak_memory_bytes[d]):g} GB"
@@ -289,6 +313,8 @@ def cmd_run(a: argparse.Namespace) -> None:
             get_planner(p)
     check_models([a.model])
     check_clip(a.clip_grad_norm)  # before torchrun starts the ranks
+    fault_spec(os.environ.get("FASTT_FAULT", ""))
+    warn_oversubscribed(a.devices)
     if a.data and not (is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
         raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
     if a.launcher == "torchrun":
@@ -304,44 +330,20 @@ def cmd_run(a: argparse.Namespace) -> None:
         return load_workload(a.model, a.size, a.batch, a.optimizer)
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN, cuDNN off).
-    with torch.backends.mkldnn.flags(enabled=not rnn), torch.backends.cudnn.flags(enabled=not rnn):
+    with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
     print(json.dumps(out) if a.json else format_run(out))
 
 
-def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
-    """`fastt run` with one process per device: torchrun on this machine running `python -m fastt.launch`."""
-    spec, env = a.devices.strip().lower(), dict(os.environ)
-    if m := re.fullmatch(r"cpu:(\d+)", spec):
-        nproc, device = int(m[1]), "cpu"
-    elif m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", spec):  # a GPU per rank: those named, or all
-        ids = None if m[1] is None else [int(i) for i in m[1].split(",")]
-        if ids is not None and len(set(ids)) < len(ids):
-            raise FasttError(f"--launcher torchrun runs one rank per GPU (NCCL cannot put two on one): {a.devices} "
-                             "names a GPU twice; use --launcher local for streams of one GPU")
-        nproc, device = len(cuda_cluster(ids)), "cuda"
-        if ids is not None:  # GPU LOCAL_RANK of each rank is the one named (ids count visible GPUs)
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible.split(",")[i] if visible else str(i) for i in ids)
-    else:
-        raise FasttError("--launcher torchrun runs cpu:N (a process per CPU device, gloo) or cuda[:i,j,...] "
-                         "(a process per GPU, NCCL)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "fastt.launch", "--device", device, "--model", a.model, "--size", a.size,
-               "--optimizer", a.optimizer,
-               "--planners", ",".join(planners), "--steps", str(a.steps), "--timeout", str(a.timeout),
-               "--out", str(out_path), *(["--batch", str(a.batch)] if a.batch else []),
-               *(["--check"] if a.check else []), *(["--tune"] if a.tune else []),
-               *([] if a.trial else ["--no-trial"]),
-               *(["--clip-grad-norm", str(a.clip_grad_norm)] if a.clip_grad_norm is not None else []),
-               *(["--data", a.data] if a.data else [])]
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
-        if r.returncode != 0 or not out_path.is_file():
-            said = [line for line in r.stderr.splitlines() if line.startswith("fastt:")]
-            raise FasttError("torchrun failed: " + ("; ".join(said) if said else r.stderr.strip()[-2000:]))
-        return json.loads(out_path.read_text())
+def warn_oversubscribed(devices: str) -> None:
+    """One line on stderr where `cpu:N` asks for more worker devices (or ranks) than this process has cores:
+    they run, each waiting for a core, so their measured times say little about a machine that has the cores."""
+    m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower())
+    cores = cpu_threads(1)
+    if m and int(m[1]) > cores:
+        print(f"fastt: warning: {devices} runs {m[1]} worker devices on {cores} cores, so they wait for each "
+              f"other and the measured times read high; use cpu:{cores} or fewer for times that mean something",
+              file=sys.stderr, flush=True)
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
@@ -380,10 +382,12 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
     p.add_argument("--cluster", required=cluster_default is None, default=cluster_default,
                    help="cpu:N, cuda, NxGPU[-link] (4xV100, 8xA100-pcie), MxNxGPU, or a JSON file")
     p.add_argument("--size", default="paper", choices=("test", "paper"), help="zoo model size (default paper)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: the size's)")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="batch size (default: the size's; a file model's function gets it as its `batch`)")
+    p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"),
+                   help="default sgd (a file model's function gets it as its `optimizer`)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget", type=positive_float, default=None, metavar="SECONDS",
                    help="bound the fastt planner's search; it returns the best plan found so far")
 
 
@@ -415,7 +419,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="zoo model name or path/to/file.py:function")
     p.add_argument("--devices", default="cpu:2", help="cpu:N, or local GPUs: cuda, cuda:0,1 (cuda:0,0: two streams of one GPU)")
     p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--check", action="store_true",
                    help="also take every step in plain one-device eager PyTorch from the same state and compare "
                         "the parameters")
@@ -425,11 +429,11 @@ def parser() -> argparse.ArgumentParser:
                    help="local: one process, a thread per device; torchrun: one process per device, gloo on "
                         "cpu:N, NCCL on cuda (python -m fastt.launch; multi-node: run torchrun yourself on every "
                         "node)")
-    p.add_argument("--timeout", type=float, default=20.0, help="torchrun: seconds a rank waits for a peer")
+    p.add_argument("--timeout", type=positive_float, default=20.0, help="torchrun: seconds a rank waits for a peer")
     training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"), help="default sgd")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("demo", help="the main job on built-in defaults")
@@ -444,15 +448,34 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _terminated(signum: int, _frame) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `fastt` command: a FasttError is one line on stderr and exit code 2, an interrupt one line and 128 +
+    the signal (130 for Ctrl-C); FASTT_DEBUG=1 shows their tracebacks instead."""
+    debug = os.environ.get("FASTT_DEBUG") == "1"
     try:
         args = parser().parse_args(argv)
-        args.fn(args)
+        previous = signal.signal(signal.SIGTERM, _terminated)  # as a job scheduler stops a job: like Ctrl-C
+        try:
+            args.fn(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except FasttError as e:
-        print(f"fastt: error: {e}", file=sys.stderr)
+        if debug:
+            raise
+        print("fastt: error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()),
+              file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"fastt: interrupted ({signal.Signals(signum).name}); nothing it started is left running",
+              file=sys.stderr)
+        return 128 + signum
     return 0
 
 

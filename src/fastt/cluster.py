@@ -160,6 +160,8 @@ def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
     module doc)."""
     if isinstance(spec, Cluster):
         return spec
+    from .cluster_file import from_json_file  # the file form reads Devices and Links: it imports this module
+
     if isinstance(spec, os.PathLike):
         return from_json_file(spec)
     if not isinstance(spec, str):
@@ -181,10 +183,23 @@ def cluster(spec: str | os.PathLike[str] | Cluster) -> Cluster:
     raise FasttError(f"bad cluster spec {spec!r}: expected {SPEC_FORMS}")
 
 
-def _check_count(n: int, what: str) -> None:
-    """Raise FasttError unless a spec's count n is at least one."""
+# The most devices a cluster may have. Routes are per ordered pair (n² of them) and the simulator and planners
+# keep per-device state: at this size a data-parallel plan of resnet50 is planned and simulated in seconds
+# (docs/design.md), beyond it building the routes alone takes minutes and gigabytes.
+MAX_DEVICES = 1024
+# The largest number a cluster file may give (bytes, FLOP/s, bytes/s, seconds): beyond any real device, and
+# small enough that sums over a plan stay finite and integers fit in 64 bits.
+MAX_VALUE = 1e18
+
+
+def check_count(n: int, what: str, total: int | None = None) -> None:
+    """Raise FasttError unless a spec's count n is at least one and the cluster's `total` devices (n when
+    not given) at most MAX_DEVICES."""
     if n < 1:
         raise FasttError(f"cluster spec needs at least one {what}, got {n}")
+    if (total or n) > MAX_DEVICES:
+        raise FasttError(f"a cluster of {total or n} devices is more than fastt plans and simulates "
+                         f"(at most {MAX_DEVICES}); plan fewer devices")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +234,7 @@ def cpu_cluster(n: int) -> Cluster:
     The FLOP/s and bandwidth here are nominal (AVX2 peak per core share); fastt.cost calibrates them by
     measurement, and the copy links are refit by regression on measured copies (see `with_links`).
     """
-    _check_count(n, "CPU device")
+    check_count(n, "CPU device")
     threads = cpu_threads(n)
     dev = [Device(f"cpu:{i}", "cpu", _physical_memory() // n, threads * CPU_FLOPS_PER_CORE,
                   threads * CPU_MEM_BW_PER_CORE, 0, CPU_OP_OVERHEAD) for i in range(n)]
@@ -315,8 +330,8 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: flo
     p = GPU_PRESETS.get(gpu.lower())
     if p is None or link not in ("nvlink", "pcie"):
         raise FasttError(f"bad cluster spec '{nodes}x{n}x{gpu}-{link}': expected {SPEC_FORMS}")
-    _check_count(n, "GPU per node")
-    _check_count(nodes, "node")
+    check_count(n, "GPU per node", n * nodes)
+    check_count(nodes, "node", n * nodes)
     multi = nodes > 1
     devices = tuple(Device(f"{p.name}:{k}.{i}" if multi else f"{p.name}:{i}", p.name, p.memory_bytes, p.flops,
                            p.mem_bandwidth, k, GPU_OP_OVERHEAD) for k in range(nodes) for i in range(n))
@@ -369,6 +384,7 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
         raise FasttError("no CUDA device visible; use cpu:N or a simulated cluster such as 4xV100")
     count = torch.cuda.device_count()
     ids = list(range(count)) if ids is None else list(ids)
+    check_count(len(ids), "CUDA device")
     if any(not 0 <= i < count for i in ids):
         raise FasttError(f"bad CUDA device ids {ids}: {count} visible (0..{count - 1})")
     gpus = list(dict.fromkeys(ids))
@@ -401,90 +417,3 @@ def torch_device(dev: Device) -> str:
         raise FasttError(f"device {dev.name} is simulated: the local runtime runs cpu:N or local cuda devices "
                          "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
     return "cpu" if gpu is None else gpu[0]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# JSON file form
-
-
-def from_json_file(path: str | os.PathLike[str]) -> Cluster:
-    """The Cluster a JSON file describes (the form `Cluster.save` writes; see `from_dict`)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FasttError(f"cluster file {str(path)!r} not found; expected {SPEC_FORMS}") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise FasttError(f"cluster file {str(path)!r} is not readable JSON: {e}") from None
-    return from_dict(data, where=str(path))
-
-
-def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
-    """A Cluster from its JSON form: {"name", "devices": [...], "links": [{..., "pairs"}], "routes"?}.
-
-    Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?}. Each
-    link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
-    the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
-    pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per byte, s per
-    tensor] (see Cluster).
-    """
-    def fail(msg: str) -> FasttError:
-        return FasttError(f"{where}: {msg}")
-
-    try:
-        devices = tuple(Device(str(d["name"]), str(d["kind"]), int(d["memory_bytes"]), float(d["flops"]),
-                               float(d["mem_bandwidth"]), int(d.get("node", 0)), float(d.get("op_overhead_s", 0.0)))
-                        for d in data["devices"])
-        links = tuple(Link(str(lk["name"]), float(lk["bandwidth"]), float(lk["latency"])) for lk in data["links"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise fail(f"bad or missing field {e}; see fastt.cluster.from_dict for the format") from None
-    if not devices:
-        raise fail("no devices")
-    if any(d.flops <= 0 or d.mem_bandwidth <= 0 or d.memory_bytes <= 0 for d in devices):
-        raise fail("every device needs positive memory_bytes, flops and mem_bandwidth")
-    if any(lk.bandwidth <= 0 or lk.latency < 0 for lk in links):
-        raise fail("every link needs a positive bandwidth and a non-negative latency")
-    dev_index = {d.name: i for i, d in enumerate(devices)}
-    link_index = {lk.name: k for k, lk in enumerate(links)}
-    if len(dev_index) != len(devices) or len(link_index) != len(links):
-        raise fail("device names and link names must be unique")
-
-    def dev(ref: Any) -> int:
-        if isinstance(ref, str) and ref.strip() in dev_index:
-            return dev_index[ref.strip()]
-        try:
-            i = int(ref)
-        except (TypeError, ValueError):
-            raise fail(f"unknown device {ref!r}") from None
-        if not 0 <= i < len(devices):
-            raise fail(f"device index {i} out of range 0..{len(devices) - 1}")
-        return i
-
-    routes: dict[tuple[int, int], tuple[int, ...]] = {}
-
-    def add(src: Any, dst: Any, route: tuple[int, ...]) -> None:
-        key = dev(src), dev(dst)
-        if key[0] == key[1] or key in routes:
-            raise fail(f"route {key} is from a device to itself or given twice")
-        routes[key] = route
-
-    for k, lk in enumerate(data["links"]):
-        for pair in lk.get("pairs", ()):
-            if len(pair) != 2:
-                raise fail(f"link {links[k].name!r}: a pair is [src, dst], got {pair!r}")
-            add(pair[0], pair[1], (k,))
-    for key, names in dict(data.get("routes", {})).items():
-        if str(key).count(",") != 1 or not names or any(n not in link_index for n in names):
-            raise fail(f"route {key!r}: expected \"src,dst\": [known link names], got {names!r}")
-        add(*str(key).split(","), tuple(link_index[n] for n in names))
-    missing = [p for p in itertools.permutations(range(len(devices)), 2) if p not in routes]
-    if missing:
-        raise fail(f"no route for device pairs {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    gather = data.get("gather")
-    if gather is not None:
-        try:
-            gather = tuple(float(x) for x in gather)
-        except (TypeError, ValueError):
-            gather = ()
-        if len(gather) != 3 or min(gather) < 0:
-            raise fail(f"gather is [latency s, s per byte, s per tensor], all ≥ 0; got {data['gather']!r}")
-    return Cluster(str(data.get("name", where)), devices, links, routes, gather)

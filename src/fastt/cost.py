@@ -168,6 +168,11 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
     `concurrent` copies run at once (see `measure`): op times as when that many worker devices are busy.
     """
     inputs = tuple(x[:graph.batch] for x in example_inputs)
+    want = [dtype for _, dtype in graph.fx.structure.get("the batch's shapes and dtypes", ())]
+    if want and [x.dtype for x in inputs] != want:  # else a worker's KeyError or a kernel's dtype complaint
+        raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of {[str(x.dtype) for x in inputs]}, "
+                         f"the captured step takes {len(want)} of {[str(d) for d in want]}: pass inputs like those "
+                         "it was captured with")
     params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
     kind = "cuda" if params and params[0].is_cuda else "cpu"
     return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads, runs=runs,

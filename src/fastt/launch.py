@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -50,12 +52,23 @@ def _use_gpu() -> None:
     torch.cuda.set_device(local)
 
 
+def fault_spec(text: str) -> tuple[int, int, str] | None:
+    """FASTT_FAULT's (rank, step, kill|raise), None when it is empty; a FasttError saying the form otherwise."""
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+):(\d+):(kill|raise)", text.strip())
+    if m is None:
+        raise FasttError(f"FASTT_FAULT={text!r}: expected RANK:STEP:kill or RANK:STEP:raise (e.g. 1:2:kill), or "
+                         "leave it unset")
+    return int(m[1]), int(m[2]), m[3]
+
+
 def _fault(rank: int, step: int) -> None:
-    spec = os.environ.get("FASTT_FAULT", "")
-    if not spec:
+    spec = fault_spec(os.environ.get("FASTT_FAULT", ""))
+    if spec is None:
         return
-    r, s, what = spec.split(":")
-    if int(r) == rank and int(s) == step:
+    r, s, what = spec
+    if r == rank and s == step:
         if what == "kill":
             print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -108,10 +121,8 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
 
 def train(args: argparse.Namespace) -> dict | None:
     """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
-    from .runtime.distributed import parallelize_distributed, rank_cluster, rank_device
-    from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
-    from .runtime.trial import TRIAL_STEPS
-    from .workload import load_workload
+    from .runtime.distributed import rank_cluster, rank_device
+    from .workload import load_workload, model_name
 
     rank, device = dist.get_rank(), rank_device()
 
@@ -125,57 +136,71 @@ def train(args: argparse.Namespace) -> dict | None:
     cl = rank_cluster(device)
     results, worst, clip = [], 0.0, args.clip_grad_norm
     for planner in args.planners.split(","):
-        name, model, loss_fn, opt, inputs = make()
         if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
+            _, model, loss_fn, opt, inputs = make()
             results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
                                                                                     args.steps, clip),
                             "simulated_iteration_s": None, "error": None})
             continue
-        strategy = Strategy.load(args.strategy) if args.strategy else None
-        t0 = time.perf_counter()
-        step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
-                                       timeout_s=args.timeout, trial_steps=TRIAL_STEPS if args.trial else 0,
-                                       tune=args.tune and planner == "fastt", clip_grad_norm=clip)
-        setup_s = time.perf_counter() - t0
-        if args.save_plans and rank == 0:
-            os.makedirs(args.save_plans, exist_ok=True)
-            step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
-        check = args.check or args.check_steps
-        ref = make() if check and rank == 0 else None
-        times, step_diffs, replicas, tuned = [], [], [], 0
-        for i, (shard, whole) in enumerate(batches(args.steps, inputs, loader, device, check)):
-            replicas.append(step.strategy.replicas)
-            if ref is not None:  # the reference takes this step from our state
-                take_state(model, opt, ref[1], ref[3])
-                eager_reference_step(ref[1], ref[2], ref[3], whole, replicas[-1], clip)
-            dist.barrier()
-            t0 = time.perf_counter()
-            _fault(rank, i)  # the others are in the step, waiting for this rank
-            step(*shard)  # on a GPU it ends once the GPU is done
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-            tuned += step.tuner is not None and step.tuner.active
-            if ref is not None:
-                step_diffs.append(max_param_rel_diff(ref[1], model))
-        measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
-        results.append({"planner": planner, "measured_iteration_s": measured,
-                        "simulated_iteration_s": step.simulated_s,
-                        "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "splits": len(step.strategy.splits), "setup_s": setup_s,
-                        "trial": step.trial._asdict() if step.trial else None,
-                        "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None})
-        if step_diffs:
-            results[-1]["max_step_rel_diff"] = results[-1]["max_param_rel_diff"] = max(step_diffs)
-            worst = max(worst, max(step_diffs))
+        results.append(_train_planner(args, planner, make, loader, cl))
+        worst = max(worst, results[-1].get("max_step_rel_diff", 0.0))
         dist.barrier()
     if rank != 0:
         return None
-    return {"model": name, "devices": cl.name, "launcher": "torchrun", "nodes": len({d.node for d in cl.devices}),
+    return {"model": model_name(args.model), "devices": cl.name, "launcher": "torchrun",
+            "nodes": len({d.node for d in cl.devices}),
             "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
                       for lk in cl.links},
             "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
             "steps": args.steps, "results": results,
             "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip}
+
+
+def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tuple],
+                   loader: torch.utils.data.DataLoader | None, cl) -> dict:
+    """`args.steps` steps of `planner`'s plan from make()'s start: this rank's result row (timed on every rank,
+    checked against the eager step on rank 0)."""
+    from .runtime.distributed import parallelize_distributed, rank_device
+    from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
+    from .runtime.trial import TRIAL_STEPS
+
+    rank, clip = dist.get_rank(), args.clip_grad_norm
+    _, model, loss_fn, opt, inputs = make()
+    strategy = Strategy.load(args.strategy) if args.strategy else None
+    t0 = time.perf_counter()
+    step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
+                                   timeout_s=args.timeout, trial_steps=TRIAL_STEPS if args.trial else 0,
+                                   tune=args.tune and planner == "fastt", clip_grad_norm=clip)
+    setup_s = time.perf_counter() - t0
+    if args.save_plans and rank == 0:
+        os.makedirs(args.save_plans, exist_ok=True)
+        step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
+    check = args.check or args.check_steps
+    ref = make() if check and rank == 0 else None
+    times, step_diffs, tuned = [], [], 0
+    for i, (shard, whole) in enumerate(batches(args.steps, inputs, loader, rank_device(), check)):
+        replicas = step.strategy.replicas
+        if ref is not None:  # the reference takes this step from our state
+            take_state(model, opt, ref[1], ref[3])
+            eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _fault(rank, i)  # the others are in the step, waiting for this rank
+        step(*shard)  # on a GPU it ends once the GPU is done
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        tuned += step.tuner is not None and step.tuner.active
+        if ref is not None:
+            step_diffs.append(max_param_rel_diff(ref[1], model))
+    measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
+    row = {"planner": planner, "measured_iteration_s": measured, "simulated_iteration_s": step.simulated_s,
+           "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
+           "splits": len(step.strategy.splits), "setup_s": setup_s,
+           "trial": step.trial._asdict() if step.trial else None,
+           "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
+    if step_diffs:
+        row["max_step_rel_diff"] = row["max_param_rel_diff"] = max(step_diffs)
+    return row
 
 
 def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None) -> float:
@@ -194,6 +219,28 @@ def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float |
     time_s = alone_on_rank0(run)
     dist.barrier()
     return time_s or 0.0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number ≥ 1 (steps, batch sizes)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, norms)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return x
 
 
 def training_options(p: argparse.ArgumentParser) -> None:
@@ -215,17 +262,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: a CPU device per rank over gloo; cuda: GPU LOCAL_RANK per rank over NCCL")
     p.add_argument("--size", default="test", choices=["test", "paper"])
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw"], help="default sgd")
     p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--check", action="store_true",
                    help="rank 0 also takes every step in plain one-device eager PyTorch from the same state and "
                         "compares the parameters (per step: training amplifies rounding over the steps)")
     p.add_argument("--check-steps", action="store_true", help="the same as --check")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
-    p.add_argument("--timeout", type=float, default=20.0, help="seconds a rank waits for a peer before giving up")
+    p.add_argument("--timeout", type=positive_float, default=20.0,
+                   help="seconds a rank waits for a peer before giving up")
     p.add_argument("--strategy", default=None, help="run this strategy file (fastt plan --out) instead of planning")
     p.add_argument("--save-plans", default=None, help="rank 0 writes each planner's strategy to DIR/PLANNER.json")
     p.add_argument("--tune", action="store_true",
@@ -240,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     from .report import format_run
     from .runtime.distributed import RankError, await_reports, record_failure, start_heartbeat
 
+    try:
+        fault_spec(os.environ.get("FASTT_FAULT", ""))
+    except FasttError as e:
+        raise SystemExit(f"fastt: {e}") from None
     if args.device == "cuda":
         _use_gpu()
     # NCCL for GPU tensors; gloo for the CPU's (the store-side control: plans, timings, barriers' objects).

@@ -88,10 +88,12 @@ class Strategy:
                 "order must be a list (one per device) of lists of op names")
         _expect(all(isinstance(v, list) and all(_is_int(d) for d in v) for v in holders.values()),
                 "holders must map op names to lists of device indices")
-        return cls(planner=_get(obj, "planner", str), n_devices=_get(obj, "n_devices", int),
+        n_devices, replicas = _get(obj, "n_devices", int), _get(obj, "replicas", int)
+        _expect(n_devices >= 1 and replicas >= 1 and all(s.parts >= 1 for s in splits),
+                "n_devices, replicas and every split's parts must be at least 1")
+        return cls(planner=_get(obj, "planner", str), n_devices=n_devices,
                    placement=placement, order=tuple(tuple(o) for o in order),
-                   holders={k: tuple(v) for k, v in holders.items()},
-                   replicas=_get(obj, "replicas", int), splits=tuple(splits))
+                   holders={k: tuple(v) for k, v in holders.items()}, replicas=replicas, splits=tuple(splits))
 
     def save(self, path: str | Path) -> None:
         """Write the strategy as JSON to `path`."""

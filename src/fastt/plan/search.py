@@ -332,6 +332,11 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
     return [int(np.argmax(res.x[k * C:(k + 1) * C])) for k in range(K)]
 
 
+# The most entries of the search's dense route table (`_moves`: devices x devices x links x 2 floats), 1 GiB:
+# 64 V100s with a link per pair take a quarter of it, 128 would take 4 GiB, 256 of them 64 GiB.
+MAX_ROUTE_TABLE = 2**27
+
+
 def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
                  budget_s: float = 4.0) -> list[Strategy]:
     """The plans of the search under both models (module docstring), one shard a device: for each, the better of
@@ -341,6 +346,9 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
     n = len(cluster.devices)
     if n < 2 or not replicable(graph, n):
         raise FasttError(f"spread search: batch {graph.batch} does not split into {n} shards")
+    if n * n * len(cluster.links) * 2 > MAX_ROUTE_TABLE:
+        raise FasttError(f"spread search: {n} devices with {len(cluster.links)} links are more than its route "
+                         "tables hold (devices² x links); plan with another planner")
     found = layers(graph)
     per_layer = spread_costs(graph, cluster, found, measured)
     groups = blocks(per_layer, [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers])

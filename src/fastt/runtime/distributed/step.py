@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import guards
-from ...capture import bind, stepped
+from ...capture import batch_mismatch, bind, stepped
 from ...cluster import Cluster
 from ...cost import MeasuredCosts
 from ...errors import FasttError
@@ -238,12 +238,9 @@ class DistributedStep(PlacedStep):
 
 def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
     """Why `shard` is not a shard of the step's batch ('' if it is)."""
-    want = [(feed.shard, *sample) for sample, _ in feed.leaves]
-    got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in shard]
-    if got != want or any(x.dtype != dtype for x, (_, dtype) in zip(shard, feed.leaves)):
-        return (f"its shard's shapes are {got}, not {want} (its rows of the batch of "
-                f"{feed.shard * feed.world} over {feed.world} ranks; or pass the whole batch on every rank)")
-    return ""
+    why = batch_mismatch(shard, [((feed.shard, *sample), dtype) for sample, dtype in feed.leaves])
+    return why and (f"{why} (its shard: its rows of the batch of {feed.shard * feed.world} over {feed.world} "
+                    "ranks; or pass the whole batch on every rank)")
 
 
 def check_same(wiring: Wiring) -> None:
