@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fastt.graph import ALLREDUCE, COMPUTE, INPUT, UPDATE, OpGraph
-from fastt.simulate import Collective, Timeline
+from fastt.links import Collective
+from fastt.simulate import Timeline
 
 DEVICES_PID, LINKS_PID = 0, 1
 # Colors by op kind for the Gantt chart; transfers and allreduces are drawn on link rows.
