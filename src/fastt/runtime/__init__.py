@@ -4,7 +4,8 @@ is raced against data parallelism by `trial.py`, as the distributed runtime's is
 
 from ..cost import measure_step
 from .decide import Decision, decide
-from .local import Placed, StepError
+from .local import StepError
+from .programs import Placed
 from .step import ParallelStep, PlacedStep, busy_devices, parallelize
 from .tune import Tuner
 

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import FasttError
 from ..lower import Lowered
-from .local import Programs
+from .programs import Programs
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from ..lower import Lowered
 from ..plan.basic import data_parallel
 from ..strategy import Strategy
 from .decide import decide, tuner_of
-from .local import Placed, place, run_step
+from .local import run_step
+from .programs import Placed, place
 from .trial import Trial, raced, trial_steps
 from .tune import Tuner
 

@@ -20,7 +20,7 @@ from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
 from ..plan.named import plan
 from ..simulate import simulate_plan
-from .local import Placed, place, release_points
+from .programs import Placed, place, release_points
 
 if TYPE_CHECKING:
     from .step import PlacedStep

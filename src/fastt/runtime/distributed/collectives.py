@@ -13,7 +13,7 @@ import torch
 
 from ...errors import FasttError
 from ...lower import Lowered
-from ..local import Programs
+from ..programs import Programs
 from .packing import Leaf, flat, leaf_view
 
 

@@ -16,7 +16,7 @@ from ...cost import measure_step
 from ...errors import FasttError
 from ...strategy import Strategy
 from ..decide import decide, tuner_of
-from ..local import place
+from ..programs import place
 from ..shards import shard_of
 from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
