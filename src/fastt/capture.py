@@ -4,11 +4,12 @@ The step is written functionally and traced with `make_fx(functionalize(...), tr
 
     step(params, buffers, states, *batch) -> (loss, grads, new_params, new_states)
 
-Gradients come from `torch.func.grad_and_value`; the update repeats torch.optim's default single-tensor
-update op for op on clones of the parameters and state (functionalize turns its in-place ops into pure ones),
-with the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers (batch-norm running stats) are updated in place, exactly as
-eager mode does. `Step.run` executes the captured graph on real tensors and writes the results back into the
-model and the optimizer, so the model's parameters and the optimizer's state stay the truth.
+Gradients come from `torch.func.grad_and_value`; the update repeats torch.optim's default single-tensor update
+op for op on clones of the parameters and state (functionalize turns its in-place ops into pure ones), with
+the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers
+(batch-norm running stats) are updated in place, exactly as eager mode does. `Step.run` executes the captured
+graph on real tensors and writes the results back into the model and the optimizer, so the model's parameters
+and the optimizer's state stay the truth.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def _new_state(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> t
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-# Per optimizer class: the hyperparameters its update reads from a param group, as eager's update computes them
-# from the group in Python (1 - beta1, ...). They are inputs of the step, read from the group at every call, so
-# that an LR schedule works. A zero weight decay or momentum skips ops, as in eager: whether it is zero is part of
-# the step's structure.
+# Per optimizer class: the hyperparameters its update reads from a param group, as eager's update computes
+# them from the group in Python (1 - beta1, ...). They are inputs of the step, read from the group at every
+# call, so that an LR schedule works. A zero weight decay or momentum skips ops, as in eager: whether it is
+# zero is part of the step's structure.
 def _adam_keys(g: dict, decoupled: bool) -> tuple[str, ...]:
     wd = () if g["weight_decay"] == 0 else ("1-lr*weight_decay",) if decoupled or g.get(
         "decoupled_weight_decay", False) else ("weight_decay",)
@@ -98,7 +99,8 @@ def hyper_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, ...]]:
 
 
 def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...]]) -> list[float]:
-    """The step's hyperparameter inputs, read from the optimizer's param groups now (an LR schedule's value)."""
+    """The step's hyperparameter inputs, read from the optimizer's param groups now (an LR schedule's
+    value)."""
     out = []
     for g, ks in zip(optimizer.param_groups, keys):
         value = _reader(g)
@@ -108,13 +110,14 @@ def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...
 
 def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list, grads: list,
             states: list[list]) -> None:
-    """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the group's
-    hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten the graph).
+    """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the
+    group's hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten
+    the graph).
 
-    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so the
-    captured step reproduces eager training to rounding; `x.add(y * h)` becomes eager's `x.add(y, alpha=h)` (one
-    fused multiply-add). Adam's bias corrections are computed from the step counter as float64 tensors, as eager
-    does with Python floats, so one graph serves every step.
+    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so
+    the captured step reproduces eager training to rounding; `x.add(y * h)` becomes eager's `x.add(y,
+    alpha=h)` (one fused multiply-add). Adam's bias corrections are computed from the step counter as float64
+    tensors, as eager does with Python floats, so one graph serves every step.
     """
     wd, maximize = hyper.get("weight_decay"), group["maximize"]
     for p, g, st in zip(ps, grads, states):
@@ -137,7 +140,8 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
         # addcmul(g, g, value=v) computes self + (v * g) * g: keep that order.
         exp_avg_sq.mul_(hyper["beta2"]).addcmul_(g * hyper["1-beta2"], g)
         step64 = step.to(torch.float64)
-        # lr / t is t.reciprocal() * lr for a tensor t, as eager's Python float over the step counter rounds here.
+        # lr / t is t.reciprocal() * lr for a tensor t, as eager's Python float over the step counter rounds
+        # here.
         step_size = ((1 - hyper["beta1"] ** step64).reciprocal() * hyper["lr"]).to(p.dtype)
         bias_correction2_sqrt = (1 - hyper["beta2"] ** step64).sqrt().to(p.dtype)
         if group["amsgrad"]:
@@ -152,10 +156,11 @@ _aten = torch.ops.aten
 
 
 def _scalar_inputs(gm: GraphModule, scalars: Sequence[torch.fx.Node]) -> None:
-    """Rewrite the traced graph so that the placeholders `scalars` (hyperparameters and the loss weight, traced
-    as 0-dim tensors) are Python numbers, used as eager uses them: `x * h` and `x + h` take the number (a wrapped
-    scalar), `x.add(y * h)` becomes `x.add(y, alpha=h)` (eager's fused multiply-add, which a tensor cannot
-    reach), `lerp(x, y, h)` and `h ** t` their Scalar overloads. No tensor is made for them at run time."""
+    """Rewrite the traced graph so that the placeholders `scalars` (hyperparameters and the loss weight,
+    traced as 0-dim tensors) are Python numbers, used as eager uses them: `x * h` and `x + h` take the number
+    (a wrapped scalar), `x.add(y * h)` becomes `x.add(y, alpha=h)` (eager's fused multiply-add, which a tensor
+    cannot reach), `lerp(x, y, h)` and `h ** t` their Scalar overloads. No tensor is made for them at run
+    time."""
     graph = gm.graph
     for h in scalars:
         for cast in [u for u in h.users if u.target is _aten._to_copy.default]:
@@ -191,12 +196,12 @@ def _check_supported(optimizer: torch.optim.Optimizer, group: dict) -> None:
 class Step:
     """A captured training step and how a model and optimizer bind to its inputs and outputs.
 
-    `roles[k]` says what the k-th placeholder of `gm` is: ("param", name), ("buffer", name),
-    ("state", "param name:key"), ("input", index), ("hyper", "group:key") (a hyperparameter of a param group,
-    read from the optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for
-    the whole batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise
-    names the graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated.
-    `reduction` says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
+    `roles[k]` says what the k-th placeholder of `gm` is: ("param", name), ("buffer", name), ("state", "param
+    name:key"), ("input", index), ("hyper", "group:key") (a hyperparameter of a param group, read from the
+    optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for the whole
+    batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise names the
+    graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated. `reduction`
+    says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
     """
 
     gm: GraphModule
@@ -337,7 +342,8 @@ class _WithLoss(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
         super().__init__()
-        self.model, self.loss_fn = model, [loss_fn]  # a list: a loss module's own tensors stay out of the swap
+        # a list: a loss module's own tensors stay out of the swap
+        self.model, self.loss_fn = model, [loss_fn]
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.loss_fn[0](self.model(*batch[:-1]), batch[-1])
@@ -351,8 +357,8 @@ def check_clip(clip_grad_norm: float | None) -> None:
 
 def _clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     """The gradients scaled to global norm at most `max_norm`, computed as `clip_grad_norm_` does (the norm of
-    the per-gradient norms, max_norm / (norm + 1e-6) clamped to 1). Under data parallelism the updates read the
-    averaged gradients, so this is the norm of the whole batch's gradient, as with DDP."""
+    the per-gradient norms, max_norm / (norm + 1e-6) clamped to 1). Under data parallelism the updates read
+    the averaged gradients, so this is the norm of the whole batch's gradient, as with DDP."""
     norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -389,10 +395,10 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys,
 @contextlib.contextmanager
 def _portable_kernels():
     """Trace composite ops (nn.LSTM, batch norm) into their native aten decomposition, not oneDNN's or cuDNN's
-    fused kernels (`mkldnn_rnn_layer`, `_cudnn_rnn`, whose weights cannot be traced with fake tensors): the graph
-    must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks the
-    oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one aten op
-    either way and still run on cuDNN.)"""
+    fused kernels (`mkldnn_rnn_layer`, `_cudnn_rnn`, whose weights cannot be traced with fake tensors): the
+    graph must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks
+    the oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one
+    aten op either way and still run on cuDNN.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the flag's TF32 note about Intel GPUs
         with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):

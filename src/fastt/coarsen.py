@@ -8,8 +8,8 @@ Three groupings make ops worth placing:
 - an op that writes a buffer in place (batch-norm running stats, `copy_` into a buffer) records the buffer in
   `updates`, so holders of the buffer are known to the strategy.
 
-`capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened, able
-to capture itself again at a smaller batch.
+`capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened,
+able to capture itself again at a smaller batch.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
 }
 
-# Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are: held
-# where they are read.
-# The optimizer ops that several parameters' updates read (a gradient clip's global norm): one UPDATE op that
-# writes nothing; under data parallelism it reads the averaged gradients, as the updates do.
+# Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are:
+# held where they are read. The optimizer ops that several parameters' updates read (a gradient clip's global
+# norm): one UPDATE op that writes nothing; under data parallelism it reads the averaged gradients, as the
+# updates do.
 SHARED = "update:*"
 _ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER, "weight": BUFFER}
 
@@ -69,8 +69,9 @@ def nbytes(val: object) -> int:
 
 
 def _arg_nodes(node: Node) -> list[Node]:
-    """The nodes whose values `node` reads from other ops. A get_attr constant (a tensor the model's code makes,
-    such as transformers' empty key/value cache) is no op: the step holds it, so every device has it."""
+    """The nodes whose values `node` reads from other ops. A get_attr constant (a tensor the model's code
+    makes, such as transformers' empty key/value cache) is no op: the step holds it, so every device has
+    it."""
     return [a for a in node.all_input_nodes if a.op != "get_attr"]
 
 
@@ -203,8 +204,8 @@ def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
                   clip_grad_norm: float | None = None) -> OpGraph:
     """One whole training step (forward, backward, optimizer update) as an OpGraph.
 
-    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example input
-    is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
+    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example
+    input is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
     `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
     """
     example_inputs = tuple(example_inputs)

@@ -1,10 +1,11 @@
-"""How a captured step's loss reduces over its batch, so that data-parallel replicas compute the whole batch's.
+"""How a captured step's loss reduces over its batch, so that data-parallel replicas compute the whole
+batch's.
 
-Replica k of n computes the loss L_k of its share of the batch. Averaging the L_k (and their gradients) gives the
-whole batch's loss only for a mean with equal shares: for a sum it is n times too small, and for a mean over a
-count that differs between shares (tokens not labelled -100) it weighs the shares wrongly. So the step takes a
-`weight` input that scales its loss's gradient, and replica k runs with s_k such that the mean over replicas of
-s_k * L_k is the whole batch's loss:
+Replica k of n computes the loss L_k of its share of the batch. Averaging the L_k (and their gradients) gives
+the whole batch's loss only for a mean with equal shares: for a sum it is n times too small, and for a mean
+over a count that differs between shares (tokens not labelled -100) it weighs the shares wrongly. So the step
+takes a `weight` input that scales its loss's gradient, and replica k runs with s_k such that the mean over
+replicas of s_k * L_k is the whole batch's loss:
 
     sum:    L = sum_k L_k                      s_k = n
     mean:   L = mean over items, equal shares  s_k = 1
@@ -12,10 +13,11 @@ s_k * L_k is the whole batch's loss:
 
 times the ratio of the loss's constant factor at the whole batch to the replica's (`loss.sum() / x.shape[0]`
 divides by the batch: a sum at one batch size, a mean across them). `reduction_of` reads the kind from the
-captured graph: the op that reduces the loss to a scalar (mean, sum, a loss op's `reduction`, nll_loss's count of
-counted targets), through constant factors, divisions by a count computed from the batch alone, and terms that do
-not depend on the batch (a weight penalty). Anything else is `unknown`, and data parallelism refuses it rather than
-train with another loss. Batch statistics (batch norm per replica) are the one documented exception, as in DDP.
+captured graph: the op that reduces the loss to a scalar (mean, sum, a loss op's `reduction`, nll_loss's count
+of counted targets), through constant factors, divisions by a count computed from the batch alone, and terms
+that do not depend on the batch (a weight penalty). Anything else is `unknown`, and data parallelism refuses
+it rather than train with another loss. Batch statistics (batch norm per replica) are the one documented
+exception, as in DDP.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ _SAME = (aten._to_copy.default, aten.clone.default, aten.view.default, aten.resh
 
 @dataclass(frozen=True)
 class Reduction:
-    """How one captured step's loss reduces over its batch (see the module docstring). `factor`: the constant the
-    reduced value is multiplied by; `items`: for a sum or mean, the elements it reduces; `count(*batch)`: for a
-    ratio, the count of a batch (share); `why`: what was found, for messages."""
+    """How one captured step's loss reduces over its batch (see the module docstring). `factor`: the constant
+    the reduced value is multiplied by; `items`: for a sum or mean, the elements it reduces; `count(*batch)`:
+    for a ratio, the count of a batch (share); `why`: what was found, for messages."""
 
     kind: str
     factor: float = 1.0
@@ -62,7 +64,8 @@ class ReplicaWeights:
 
     @property
     def counts(self) -> bool:
-        """Whether the weights depend on what each share counts (a ratio), not only on the number of replicas."""
+        """Whether the weights depend on what each share counts (a ratio), not only on the number of
+        replicas."""
         return self.kind == RATIO
 
     def of(self, shares: Sequence[Sequence[torch.Tensor]]) -> list[float]:
@@ -70,8 +73,8 @@ class ReplicaWeights:
         return self.weighed([float(self.count(*share)) for share in shares] if self.counts and n > 1 else [0.0] * n)
 
     def weighed(self, counts: Sequence[float]) -> list[float]:
-        """s_k from each replica's count (`count(*share)`, read for a ratio only): a distributed rank counts its
-        own shares and the ranks gather the counts."""
+        """s_k from each replica's count (`count(*share)`, read for a ratio only): a distributed rank counts
+        its own shares and the ranks gather the counts."""
         n = len(counts)
         if self.kind == SUM:
             return [n * self.scale] * n
@@ -151,8 +154,8 @@ class _Walk:
         return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
     def count_fn(self, outs: Sequence[object], finish: Callable) -> Callable[..., torch.Tensor]:
-        """A function of a batch computing `finish(*outs)`, `outs` being nodes of the batch alone (copied out of
-        the step) or constants."""
+        """A function of a batch computing `finish(*outs)`, `outs` being nodes of the batch alone (copied out
+        of the step) or constants."""
         g = fx.Graph()
         env = {n: g.placeholder(n.name) for n in self.inputs}
         needed: set[fx.Node] = set()
@@ -226,7 +229,8 @@ class _Walk:
         terms = [x for x in (a, b) if isinstance(x, fx.Node) and "batch" in self.depends[x]]
         if len(terms) == 1:
             r = self.reduce(terms[0])
-            # The replicas' weights average to one for a mean or a ratio, so a term without the batch stays whole.
+            # The replicas' weights average to one for a mean or a ratio, so a term without the batch stays
+            # whole.
             if r.kind in (MEAN, RATIO) and math.isclose(r.factor, 1.0):
                 return r
             return Reduction(UNKNOWN, why=f"{r.why} plus a term that does not depend on the batch")

@@ -127,8 +127,9 @@ def _placed(timeline: Timeline) -> list[int]:
 
 
 def format_run(out: dict) -> str:
-    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner, the
-    time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism kept."""
+    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner,
+    the time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism
+    kept."""
     lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
              "(median step time after the first)")]
     for r in out["results"]:

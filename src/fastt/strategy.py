@@ -1,9 +1,10 @@
-"""Strategy: what a planner decides — op splits, the device of each op, each device's order, parameter holders.
+"""Strategy: what a planner decides — op splits, the device of each op, each device's order, parameter
+holders.
 
-A Strategy names ops, not indices, so that it survives re-capturing the graph and reads well as JSON. It applies to
-the graph it was planned on: with `replicas > 1` that is `replicate(step at batch/replicas, replicas)`.
-`validate(graph)` checks everything the simulator and the runtime rely on, in O(ops + edges), and says what is
-wrong in one line.
+A Strategy names ops, not indices, so that it survives re-capturing the graph and reads well as JSON. It
+applies to the graph it was planned on: with `replicas > 1` that is `replicate(step at batch/replicas,
+replicas)`. `validate(graph)` checks everything the simulator and the runtime rely on, in O(ops + edges), and
+says what is wrong in one line.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class Split:
 class Strategy:
     """A plan for one training step on `n_devices` devices.
 
-    `placement` maps every op that is neither RESIDENT nor ALLREDUCE to its device; `order[d]` lists exactly the
-    ops placed on device d in the order it runs them; `holders` maps every RESIDENT op (parameter, optimizer
-    state, buffer) to the devices that keep a copy across iterations. Allreduces are not placed: they run on the
-    devices of their inputs.
+    `placement` maps every op that is neither RESIDENT nor ALLREDUCE to its device; `order[d]` lists exactly
+    the ops placed on device d in the order it runs them; `holders` maps every RESIDENT op (parameter,
+    optimizer state, buffer) to the devices that keep a copy across iterations. Allreduces are not placed:
+    they run on the devices of their inputs.
     """
 
     planner: str
@@ -119,7 +120,8 @@ class Strategy:
         _check_acyclic(g, dev, pos, self.order)
 
     def _devices(self, g: OpGraph) -> list[int]:
-        """Device of each op (-1 for residents and allreduces), checking placement covers exactly the placed ops."""
+        """Device of each op (-1 for residents and allreduces), checking placement covers exactly the placed
+        ops."""
         dev = [-1] * len(g.ops)
         for name, d in self.placement.items():
             i = _lookup(g, name, "placement")
@@ -181,7 +183,8 @@ class Strategy:
 
 
 def _check_updates(g: OpGraph, dev: list[int], holders: dict[int, tuple[int, ...]]) -> None:
-    """Every update runs on a holder of what it updates, and every holder of an updated resident updates it."""
+    """Every update runs on a holder of what it updates, and every holder of an updated resident updates
+    it."""
     updated_on: dict[int, set[int]] = {}
     for i, op in enumerate(g.ops):
         for u in op.updates:

@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's handwritten digits with fastt, as a user's training loop does: an LR
-schedule (OneCycleLR: warm-up, then cosine annealing), gradient clipping, a progress bar with the loss and the step
-time, a checkpoint to resume from, the test accuracy, and a loss-curve PNG.
+schedule (OneCycleLR: warm-up, then cosine annealing), gradient clipping, a progress bar with the loss and the
+step time, a checkpoint to resume from, the test accuracy, and a loss-curve PNG.
 
     python examples/digits.py                       # cpu:2, the fastt planner; reaches >= 95% test accuracy
     python examples/digits.py --small               # a few epochs (what `fastt demo` runs)

@@ -31,7 +31,8 @@ from .common import PlanCosts, plan_costs
 from .dpos import dpos_strategy, schedule
 from .heft import heft
 
-DEFAULT_BUDGET_S = 6.0  # seconds of split search after the starting plans (docs/benchmarks.md gives planning times)
+# seconds of split search after the starting plans (docs/benchmarks.md gives planning times)
+DEFAULT_BUDGET_S = 6.0
 
 
 def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
@@ -58,8 +59,8 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
 
 
 def _judge(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None) -> tuple[bool, float]:
-    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest. `g` less the
-    duplicate updates the plan leaves out (a device applies each update once, `strategy_from`)."""
+    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest. `g` less
+    the duplicate updates the plan leaves out (a device applies each update once, `strategy_from`)."""
     g = without_unplaced_updates(g, s.placement)
     tl = simulate(g, s, cluster, op_times(g, cluster, measured))
     return (not tl.fits, tl.iteration_s)

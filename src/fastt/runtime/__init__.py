@@ -1,6 +1,6 @@
 """Running plans for real: `parallelize` returns a step callable backed by the local runtime (`step.py`); the
-plan it runs is chosen by `decide.py`, the sequence the distributed runtime shares, and the `fastt` planner's plan
-is raced against data parallelism by `trial.py`, as the distributed runtime's is."""
+plan it runs is chosen by `decide.py`, the sequence the distributed runtime shares, and the `fastt` planner's
+plan is raced against data parallelism by `trial.py`, as the distributed runtime's is."""
 
 from ..cost import measure_step
 from .decide import Decision, decide

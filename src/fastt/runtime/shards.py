@@ -1,16 +1,16 @@
-"""The batch per rank: each rank of the distributed runtime reads only its own shard of the batch, and the rows a
-plan needs elsewhere travel between the ranks at the start of the step.
+"""The batch per rank: each rank of the distributed runtime reads only its own shard of the batch, and the
+rows a plan needs elsewhere travel between the ranks at the start of the step.
 
-The whole batch of B samples (the one the step was captured with) is the ranks' shards side by side: rank r's is
-rows [r·B/world, (r+1)·B/world), as `DistributedSampler` gives each rank its own samples. Replica k of a plan with
-R replicas computes rows [k·B/R, (k+1)·B/R) (`local.replica_envs`), so in a data-parallel plan (R = world) rank
-r's shard is replica r's share and nothing travels. Where a rank runs ops of a replica whose rows are on other
-ranks (the one-device plan reads the whole batch on rank 0; a model-parallel or split plan), those rows are sent
-to it (`Feed`), before any of the step's own messages.
+The whole batch of B samples (the one the step was captured with) is the ranks' shards side by side: rank r's
+is rows [r·B/world, (r+1)·B/world), as `DistributedSampler` gives each rank its own samples. Replica k of a
+plan with R replicas computes rows [k·B/R, (k+1)·B/R) (`local.replica_envs`), so in a data-parallel plan (R =
+world) rank r's shard is replica r's share and nothing travels. Where a rank runs ops of a replica whose rows
+are on other ranks (the one-device plan reads the whole batch on rank 0; a model-parallel or split plan),
+those rows are sent to it (`Feed`), before any of the step's own messages.
 
 A replica's share is checked against the step's guards and counted for the loss weights (`fastt.loss`) by one
-rank, its `checker`; the ranks then agree (one small all_gather) so that a batch one rank refuses is refused by
-every rank, and every rank weighs every replica with the same counts.
+rank, its `checker`; the ranks then agree (one small all_gather) so that a batch one rank refuses is refused
+by every rank, and every rank weighs every replica with the same counts.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from .programs import Programs
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [lo, hi) of the whole batch's input `input`, which rank `src`'s shard holds and rank `dst` needs."""
+    """Rows [lo, hi) of the whole batch's input `input`, which rank `src`'s shard holds and rank `dst`
+    needs."""
 
     src: int
     dst: int
@@ -39,10 +40,11 @@ class Piece:
 @dataclass(frozen=True)
 class Feed:
     """Who holds which rows of the batch in a step. `shard`, `share`: the rows of a rank's shard and of a
-    replica's share; `held[d]`: the (replica, input) pairs rank d holds (those its segments read, and every input
-    of the replicas it checks); `checker[k]`: the rank that checks replica k's share (its guards) and counts it:
-    the rank whose shard holds it, else the first that reads it; `pieces`: the rows that travel, grouped by
-    (src, dst) in the order they are packed; `leaves[i]`: input i's (shape of one sample, dtype)."""
+    replica's share; `held[d]`: the (replica, input) pairs rank d holds (those its segments read, and every
+    input of the replicas it checks); `checker[k]`: the rank that checks replica k's share (its guards) and
+    counts it: the rank whose shard holds it, else the first that reads it; `pieces`: the rows that travel,
+    grouped by (src, dst) in the order they are packed; `leaves[i]`: input i's (shape of one sample,
+    dtype)."""
 
     world: int
     shard: int
@@ -102,7 +104,8 @@ def inputs_of(low: Lowered, programs: Programs) -> list[str]:
 
 
 def input_roots(low: Lowered, programs: Programs) -> dict[str, frozenset[int]]:
-    """The step's inputs and the prelude's views of them, each with the inputs (positions) its value comes from."""
+    """The step's inputs and the prelude's views of them, each with the inputs (positions) its value comes
+    from."""
     roots = {name: frozenset({i}) for i, name in enumerate(inputs_of(low, programs))}
     for name in low.prelude:
         got = frozenset().union(*(roots.get(a.name, frozenset()) for a in programs.nodes[name].all_input_nodes))

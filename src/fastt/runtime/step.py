@@ -29,8 +29,9 @@ from .tune import Tuner
 
 
 class PlacedStep:
-    """A training step that runs a placed plan (`placed`: an attribute, or a property whose setter rewires): the
-    plan, its programs and its simulated time, and what a `Tuner` reads to replan and place another plan."""
+    """A training step that runs a placed plan (`placed`: an attribute, or a property whose setter rewires):
+    the plan, its programs and its simulated time, and what a `Tuner` reads to replan and place another
+    plan."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -39,8 +40,10 @@ class PlacedStep:
     costs: MeasuredCosts
     tuner: Tuner | None
     placed: Placed
-    targets: Sequence[torch.device] | None = None  # what plans are compiled for (`place`); None: the cluster's
-    trial: Trial | None = None  # fastt's plan raced against data parallelism before training (`runtime.trial`)
+    # what plans are compiled for (`place`); None: the cluster's
+    targets: Sequence[torch.device] | None = None
+    # fastt's plan raced against data parallelism before training (`runtime.trial`)
+    trial: Trial | None = None
 
     @property
     def strategy(self) -> Strategy:
@@ -75,8 +78,8 @@ class ParallelStep(PlacedStep):
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
                                                 hypers, self.threads_per_device, timings)
-        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
-        # the optimizer and the user hold, stay the same).
+        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
+        # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
             p.data = new
         fresh = iter(new_states)
@@ -91,7 +94,8 @@ class ParallelStep(PlacedStep):
 
 def busy_devices(strategy: Strategy) -> int:
     """How many worker devices a plan keeps busy at once, for measuring its ops: worker devices share the
-    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses one."""
+    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses
+    one."""
     return 1 if len(set(strategy.placement.values())) == 1 else strategy.n_devices
 
 
@@ -99,22 +103,22 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
                 clip_grad_norm: float | None = None, accumulate: int = 1, trial: bool | int = True) -> ParallelStep:
-    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
-    the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
-    runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
-    the optimizer's state stay there, the truth).
+    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and
+    return the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`;
+    `cuda:0,0` runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its
+    parameters and the optimizer's state stay there, the truth).
 
     Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
-    planner plans with them, and keeps its plan only if it measures faster than data parallelism (FastT's rule):
-    both run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that many;
-    False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial` has the
-    medians and which plan was kept (`fastt.runtime.trial`). `tune=True` (or a configured `Tuner`) instead
-    starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
+    planner plans with them, and keeps its plan only if it measures faster than data parallelism (FastT's
+    rule): both run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that
+    many; False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial`
+    has the medians and which plan was kept (`fastt.runtime.trial`). `tune=True` (or a configured `Tuner`)
+    instead starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
     `clip_grad_norm` clips the gradients to that global norm before every update, as
-    `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
-    `accumulate=k` takes each step's batch as k micro-batches per device, one after the other, and updates once
-    with the whole batch's gradient (gradient accumulation: a device holds one micro-batch's activations): the
-    plan is data parallelism over the micro-batches (`plan.basic.data_parallel`).
+    `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`. `accumulate=k` takes each
+    step's batch as k micro-batches per device, one after the other, and updates once with the whole batch's
+    gradient (gradient accumulation: a device holds one micro-batch's activations): the plan is data
+    parallelism over the micro-batches (`plan.basic.data_parallel`).
     """
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise FasttError(f"accumulate must be a whole number of micro-batches a step (1 or more), got {accumulate!r}")

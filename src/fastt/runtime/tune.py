@@ -1,10 +1,11 @@
 """FastT's tuning loop, run inside the first steps of real training.
 
-Round by round: profile the running plan for a few steps (the wall time of every segment of every device, so op
-times include what running beside the other devices costs them), refit the op costs, replan with the `fastt`
-planner on the refitted costs, run the new plan for a few steps, and keep it only if its measured iteration is
-faster — else roll back. Tuning stops when the refitted op times are stable, when the planner returns the running
-plan, or after `max_rounds`. Every round logs the plan's simulated and measured iteration times.
+Round by round: profile the running plan for a few steps (the wall time of every segment of every device, so
+op times include what running beside the other devices costs them), refit the op costs, replan with the
+`fastt` planner on the refitted costs, run the new plan for a few steps, and keep it only if its measured
+iteration is faster — else roll back. Tuning stops when the refitted op times are stable, when the planner
+returns the running plan, or after `max_rounds`. Every round logs the plan's simulated and measured iteration
+times.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluste
 
 def settled(samples: Sequence[float]) -> float:
     """A plan's step time: the median of its steps after the first (which warms up caches and the allocator
-    after a plan change). How the tuner and the trial before training (`fastt.runtime.trial`) measure a plan."""
+    after a plan change). How the tuner and the trial before training (`fastt.runtime.trial`) measure a
+    plan."""
     return statistics.median(samples[1:] or samples)
 
 
