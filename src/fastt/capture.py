@@ -33,8 +33,10 @@ from .loss import Reduction, reduction_of
 # Per optimizer class: the state keys it keeps per parameter, in the order the graph takes them.
 _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
     torch.optim.SGD: lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (),
-    torch.optim.Adam: lambda g: ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ()),
-    torch.optim.AdamW: lambda g: ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ()),
+    torch.optim.Adam: lambda g: (("step", "exp_avg", "exp_avg_sq")
+                                 + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
+    torch.optim.AdamW: lambda g: (("step", "exp_avg", "exp_avg_sq")
+                                  + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
 }
 
 
@@ -108,8 +110,8 @@ def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...
     return out
 
 
-def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list, grads: list,
-            states: list[list]) -> None:
+def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list,
+            grads: list, states: list[list]) -> None:
     """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the
     group's hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten
     the graph).
@@ -179,7 +181,8 @@ def _scalar_inputs(gm: GraphModule, scalars: Sequence[torch.fx.Node]) -> None:
             elif t is _aten.pow.Tensor_Tensor and args[0] is h:
                 use.target = _aten.pow.Scalar
             else:
-                raise AssertionError(f"a hyperparameter is read by {use.format_node()}: make it a number there")
+                raise AssertionError(f"a hyperparameter is read by {use.format_node()}: make it a number "
+                                     "there")
         h.meta["val"] = 1.0
     gm.recompile()
 
@@ -222,8 +225,8 @@ class Step:
         share = [x[:x.shape[0] // replicas] if replicas > 1 and x.dim() else x for x in batch]
         changed = _changed(self.structure, _structure(model, optimizer, share))
         if changed:
-            raise FasttError(f"{changed} since the step was captured: the captured step cannot run it; capture "
-                             "again (parallelize again) after such a change")
+            raise FasttError(f"{changed} since the step was captured: the captured step cannot run it; "
+                             "capture again (parallelize again) after such a change")
 
     def arguments(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
                   create: bool = True) -> tuple[list, list, list, list, list[float]]:
@@ -269,13 +272,15 @@ def _groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) ->
         out.append((g, idx))
     missing = [i for i in range(len(params)) if i not in seen]
     if missing:
-        raise FasttError(f"{len(missing)} trainable parameters are not in the optimizer: add them or freeze them")
+        raise FasttError(f"{len(missing)} trainable parameters are not in the optimizer: add them or freeze "
+                         "them")
     return out
 
 
 def _buffer_names(model: nn.Module) -> list[str]:
     """The model's tensors the step reads and never trains: its buffers, then its frozen parameters."""
-    return [n for n, _ in model.named_buffers()] + [n for n, p in model.named_parameters() if not p.requires_grad]
+    return [n for n, _ in model.named_buffers()] + [n for n, p in model.named_parameters()
+                                                    if not p.requires_grad]
 
 
 def bind(model, optimizer, names, state_keys, create: bool, buffer_names: Sequence[str] | None = None):
@@ -350,7 +355,8 @@ class _WithLoss(nn.Module):
 
 
 def check_clip(clip_grad_norm: float | None) -> None:
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and 0 < clip_grad_norm < inf):
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                           and 0 < clip_grad_norm < inf):
         raise FasttError(f"clip_grad_norm must be a positive number (the largest global gradient norm), got "
                          f"{clip_grad_norm!r}")
 
@@ -373,7 +379,8 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys,
             tensors = {f"model.{n}": t for n, t in [*zip(names, ps), *zip(buffer_names, bufs)]}
             loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise FasttError("loss_fn must return a scalar tensor (reduce the loss with a mean or a sum), got "
+                raise FasttError("loss_fn must return a scalar tensor (reduce the loss with a mean or a "
+                                 "sum), got "
                                  + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                                     else type(loss).__name__))
             return loss * weight.to(loss.dtype), loss
@@ -445,8 +452,9 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a model "
-                         "that fake tensors trace (its Python may branch on the batch's values only)") from e
+        raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a "
+                         "model that fake tensors trace (its Python may branch on the batch's values "
+                         "only)") from e
     finally:
         model.train(was_training)
     gm.graph.eliminate_dead_code()

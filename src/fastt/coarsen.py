@@ -34,7 +34,8 @@ ALIAS = {
     operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
     aten.transpose.int, aten.permute.default, aten.expand.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.detach.default, aten.slice.Tensor,
-    aten.select.int, aten.as_strided.default, aten.view_as_real.default, aten.unfold.default, aten.split.Tensor,
+    aten.select.int, aten.as_strided.default, aten.view_as_real.default, aten.unfold.default,
+    aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
 }
 
@@ -56,7 +57,8 @@ EXTRA_FLOPS = {
 # norm): one UPDATE op that writes nothing; under data parallelism it reads the averaged gradients, as the
 # updates do.
 SHARED = "update:*"
-_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER, "weight": BUFFER}
+_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER,
+              "weight": BUFFER}
 
 
 def nbytes(val: object) -> int:
@@ -183,10 +185,12 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
         updated = tuple(sorted(index[u] for u in updates.get(gname, ())))
         sig = hashlib.sha1("|".join(shapes).encode()).hexdigest()[:16] if shapes else ""
         head = next((n for n in nodes if n.op == "call_function" and n.target not in ALIAS), nodes[0])
-        target = "update" if k == UPDATE else str(head.target) if head.op == "call_function" else "placeholder"
+        target = ("update" if k == UPDATE else str(head.target) if head.op == "call_function"
+                  else "placeholder")
         order = list(reads)
         read = set(_arg_nodes(head))
-        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and a in read and group[a] != gname else -1
+        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and a in read and group[a] != gname
+                           else -1
                            for a in head.args) if head.op == "call_function" else ()
         index[gname] = len(ops)
         ops.append(Op(name=gname, kind=k, target=target, inputs=inputs,

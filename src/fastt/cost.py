@@ -50,7 +50,8 @@ class MeasuredCosts:
     def load(cls, path: str | Path) -> MeasuredCosts:
         try:
             d = json.loads(Path(path).read_text())
-            return cls(kind=d["kind"], threads=int(d["threads"]), seconds={k: float(v) for k, v in d["seconds"].items()})
+            return cls(kind=d["kind"], threads=int(d["threads"]),
+                       seconds={k: float(v) for k, v in d["seconds"].items()})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise FasttError(f"cannot read cost file {path}: {e}; measure again") from e
 
@@ -154,7 +155,8 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
                 samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))
     if len(readings) < concurrent * runs:
         raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback above)")
-    return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.mean(v) for s, v in samples.items()})
+    return MeasuredCosts(kind=kind, threads=threads,
+                         seconds={s: statistics.mean(v) for s, v in samples.items()})
 
 
 
@@ -171,7 +173,8 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
     inputs = tuple(x[:graph.batch] for x in example_inputs)
     params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
     kind = "cuda" if params and params[0].is_cuda else "cpu"
-    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads, runs=runs,
+    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads,
+                   runs=runs,
                    progress=progress, concurrent=concurrent)
 
 
@@ -180,12 +183,14 @@ def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
                  concurrent: int) -> MeasuredCosts:
     """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by
     shape), with `concurrent` copies running at once, on the device the model is on."""
-    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads, progress=False,
+    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
+                            progress=False,
                             concurrent=concurrent) for b in dict.fromkeys(batches)]
     seconds = {k: v for t in tables for k, v in t.seconds.items()}
     return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
 
-def fit_transfers(sizes: Sequence[float], seconds: Sequence[float], relative: bool = False) -> tuple[float, float]:
+def fit_transfers(sizes: Sequence[float], seconds: Sequence[float],
+                  relative: bool = False) -> tuple[float, float]:
     """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b).
 
     `relative`: fit relative errors. Sizes span decades, and in plain least squares the noise of the largest

@@ -156,7 +156,8 @@ def same_step(graph: OpGraph, sub: OpGraph) -> bool:
     """Whether `sub` (the step recaptured at another batch) has `graph`'s ops, name for name and target for
     target: then an op of one is known by its name in the other. At a batch of one, tracing may drop ops (an
     expand, a clone), and fx's numbering of the rest shifts (`clone_21` becomes another clone)."""
-    return sub is graph or [(op.name, op.target) for op in sub.ops] == [(op.name, op.target) for op in graph.ops]
+    return sub is graph or [(op.name, op.target) for op in sub.ops] == [(op.name, op.target)
+                                                                        for op in graph.ops]
 
 
 def replicable(graph: OpGraph, n: int) -> bool:
@@ -219,7 +220,8 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
             for j, nbytes in zip(op.inputs, op.in_bytes):
                 if sub.ops[j].kind not in RESIDENT and sub.ops[j].kind != UPDATE:
                     g = sub.ops[j]
-                    reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE, target="allreduce",
+                    reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE,
+                                            target="allreduce",
                                          inputs=tuple(where[j, k] for k in range(n)),
                                          in_bytes=(nbytes,) * n, out_bytes=nbytes, io_bytes=2 * nbytes))
         for k in range(n):
@@ -266,5 +268,6 @@ def without_unplaced_updates(g: OpGraph, placed: Mapping[str, int]) -> OpGraph:
     for i, op in enumerate(g.ops):
         if i not in gone:
             new[i] = len(ops)
-            ops.append(replace(op, inputs=tuple(new[j] for j in op.inputs), updates=tuple(new[u] for u in op.updates)))
+            ops.append(replace(op, inputs=tuple(new[j] for j in op.inputs),
+                               updates=tuple(new[u] for u in op.updates)))
     return replace(g, ops=tuple(ops))

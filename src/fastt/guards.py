@@ -113,8 +113,8 @@ def check(gm: fx.GraphModule, batch: Sequence[torch.Tensor], replicas: int = 1) 
         why = guards.failed([x[k * b:(k + 1) * b] for x in batch] if replicas > 1 else batch)
         if why:
             share = f"replica {k}'s share of " if replicas > 1 else ""
-            raise FasttError(f"{share}this batch takes another branch than the captured step: {why}; capture the "
-                             "step again with a batch like this one")
+            raise FasttError(f"{share}this batch takes another branch than the captured step: {why}; capture "
+                             "the step again with a batch like this one")
 
 
 def _distinct(leaves: list) -> list:
@@ -154,29 +154,33 @@ def _guards(gm: fx.GraphModule, positions: Sequence[int], batch: Sequence[torch.
     for n in _ancestors([out]):
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
-            raise FasttError(f"the step's shapes depend on the batch's values ({n.target} makes a tensor of shape "
-                             f"{tuple(val.shape)}): fastt needs every shape fixed by the batch's shapes")
+            raise FasttError(f"the step's shapes depend on the batch's values ({n.target} makes a tensor of "
+                             f"shape {tuple(val.shape)}): fastt needs every shape fixed by the batch's "
+                             "shapes")
     shape_env = detect_fake_mode([n.meta.get("val") for n in placeholders]).shape_env
     asserts = {str(a.expr): a for ras in shape_env.deferred_runtime_asserts.values() for a in ras}
     if not asserts:
         return None
     conditions = tuple(Condition(a.expr, _where(a.stack.summary())) for a in asserts.values())
-    binding = {s: (n, path) for n in gm.graph.nodes for s, path in n.meta.get("unbacked_bindings", {}).items()}
+    binding = {s: (n, path) for n in gm.graph.nodes
+               for s, path in n.meta.get("unbacked_bindings", {}).items()}
     symbols = sorted({s for c in conditions for s in c.holds.free_symbols}, key=str)
     nodes = list(dict.fromkeys(binding[s][0] for s in symbols))
     needed = _ancestors(nodes, stop=set(inputs))
     for c in conditions:
         reads = _ancestors([binding[s][0] for s in c.holds.free_symbols], stop=set(inputs))
         if any(n.op == "placeholder" and n not in inputs for n in reads):
-            raise FasttError(f"the step branches at {c.where} on a value computed from the model, not from the "
-                             "batch alone: fastt can take the example's branch only where the batch decides it")
+            raise FasttError(f"the step branches at {c.where} on a value computed from the model, not from "
+                             "the batch alone: fastt can take the example's branch only where the batch "
+                             "decides it")
     g = fx.Graph()
     env = {n: g.placeholder(n.name) for n in inputs}
     for n in gm.graph.nodes:
         if n in needed and n not in env:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n in nodes))
-    guards = Guards(fx.GraphModule(gm, g), tuple((s, nodes.index(binding[s][0]), binding[s][1]) for s in symbols),
+    guards = Guards(fx.GraphModule(gm, g),
+                    tuple((s, nodes.index(binding[s][0]), binding[s][1]) for s in symbols),
                     conditions, {})
     return dataclasses.replace(guards, example=guards.read(batch))
 

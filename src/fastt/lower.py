@@ -53,13 +53,15 @@ class Lowered:
 
 def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
     op = g.ops[i]
-    waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT and g.ops[j].kind != INPUT)
+    waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT
+                  and g.ops[j].kind != INPUT)
     r = replica_of(op.name)
     if op.split:
         return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits)
     if op.target.startswith("join:"):
         head = g.ops[op.inputs[0]].head
-        return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head, waits=waits)
+        return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head,
+                    waits=waits)
     return Task(i, op.name, RUN, r, tuple(n for n in op.nodes if n in call_nodes), waits=waits)
 
 

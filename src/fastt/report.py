@@ -39,7 +39,8 @@ def chrome_trace(timeline: Timeline, g: OpGraph) -> dict[str, Any]:
                        "args": {"target": op.target, "out_bytes": op.out_bytes}})
     for t in timeline.transfers:
         name = f"{g.ops[t.op].name} {t.src}->{t.dst}"
-        events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k, "ts": t.start * us,
+        events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k,
+                    "ts": t.start * us,
                     "dur": (t.end - t.start) * us, "args": {"bytes": t.nbytes}} for k in t.links]
     for c in timeline.collectives:
         events += [{"name": collective_name(g, c), "cat": ALLREDUCE, "ph": "X", "pid": LINKS_PID, "tid": k,
@@ -95,7 +96,8 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "µs", 1e6
 
 
-def _gantt_rows(timeline: Timeline, g: OpGraph, ms: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
+def _gantt_rows(timeline: Timeline, g: OpGraph,
+                ms: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
     """(row label, [(start, width, kind, name)]) for every device, then every link that carried something.
 
     Times are seconds times `ms`, the chart's scale.
@@ -133,7 +135,8 @@ def format_run(out: dict) -> str:
     lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
              "(median step time after the first)")]
     for r in out["results"]:
-        sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
+        simulated = r["simulated_iteration_s"]
+        sim = f"{simulated * 1e3:9.1f}" if simulated is not None else "        -"
         err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
         setup = f"  setup {r['setup_s']:.1f} s" if r.get("setup_s") is not None else ""
         lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
@@ -141,8 +144,8 @@ def format_run(out: dict) -> str:
     for r in out["results"]:
         if t := r.get("trial"):
             lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, dp "
-                         f"{t['dp_s'] * 1e3:.1f} ms a step (median of {t['steps']}): kept {t['kept']} (its setup "
-                         "time includes the trial)")
+                         f"{t['dp_s'] * 1e3:.1f} ms a step (median of {t['steps']}): kept {t['kept']} (its "
+                         "setup time includes the trial)")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:
         runs = len(tuned[0]["tuning"])

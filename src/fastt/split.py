@@ -162,9 +162,11 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     **{op: _elementwise() for op in (
         aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default,
         aten.exp.default, aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sin.default,
-        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
+        aten.div.Tensor,
         aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar,
-        aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
+        aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default,
+        aten.silu_backward.default,
         aten.sigmoid_backward.default, aten.tanh_backward.default)},
     aten._softmax.default: _rowwise((0,), 1),
     aten._log_softmax.default: _rowwise((0,), 1),
@@ -172,7 +174,8 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     aten._softmax_backward_data.default: _rowwise((0, 1), 2),
     aten._log_softmax_backward_data.default: _rowwise((0, 1), 2),
     aten.native_layer_norm.default: {
-        name: SplitSpec(args=(d,), outs=(("cat", d),) * 3, valid=_layer_norm_ok(d, 1, 0)) for name, d in _DIMS},
+        name: SplitSpec(args=(d,), outs=(("cat", d),) * 3, valid=_layer_norm_ok(d, 1, 0))
+        for name, d in _DIMS},
     aten.native_layer_norm_backward.default: {
         name: SplitSpec(args=(d, d, None, d, d), outs=(("cat", d), ("sum",), ("sum",)),
                         valid=_layer_norm_ok(d, 2, 1)) for name, d in _DIMS},
@@ -191,7 +194,8 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     aten.max_pool2d_with_indices_backward.default: _pool((0, 1, 7), 1),
     aten.avg_pool2d.default: _pool((0,), 1),
     aten.avg_pool2d_backward.default: _pool((0, 1), 1),
-    aten.mean.dim: {name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
+    aten.mean.dim: {name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d))
+                    for name, d in _DIMS},
     aten.sum.dim_IntList: {
         **{name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
         # A bias gradient: the batch dim is summed away, so the parts' sums add up.
@@ -251,7 +255,8 @@ def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, d
     return join(rule(target, dim), [run_part(target, args, kwargs, dim, k, parts) for k in range(parts)])
 
 
-def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int, parts: int) -> Any:
+def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int,
+             parts: int) -> Any:
     """Part k of `parts` of aten op `target` split along `dim`, on real tensors (what sub-op `op#k` runs)."""
     kwargs = dict(kwargs or {})
     spec = rule(target, dim)
@@ -263,7 +268,8 @@ def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, di
     # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's
     # backward among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates
     # land.
-    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a for a, d in zip(args, dims)]
+    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a
+                 for a, d in zip(args, dims)]
     length = len(torch.tensor_split(torch.arange(size), parts)[k])
     for pos, idx in spec.sizes:
         if part_args[pos] is not None:
@@ -442,14 +448,15 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     rules = RULES.get(_BY_NAME.get(o.target), {})
     if dim not in rules:
         raise FasttError(f"op '{op}' ({o.target}) cannot be split along '{dim}': "
-                         + (f"it splits along {sorted(rules)}" if rules else "only ops in fastt.split.RULES split"))
+                         + (f"it splits along {sorted(rules)}" if rules
+                            else "only ops in fastt.split.RULES split"))
     spec = rules[dim]
     if not isinstance(parts, int) or parts < 2:
         raise FasttError(f"op '{op}' cannot be split into {parts} parts: use 2 or more")
     lay = _layout(graph, o, dim, parts)
     subs = tuple(replace(o, name=f"{op}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
-                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,), signature="",
-                         split=(dim, k, parts)) for k in range(parts))
+                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,),
+                         signature="", split=(dim, k, parts)) for k in range(parts))
     kinds = {h[0] for h in spec.outs}
     join_op = Op(name=f"{op}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
                  inputs=tuple(range(at, at + parts)), in_bytes=lay.out_bytes, out_bytes=o.out_bytes,

@@ -29,7 +29,7 @@ def _baechi_schedule(graph: OpGraph, cluster: Cluster, costs: PlanCosts) -> Sche
     return Schedule(graph, costs, StaticMemory(graph, cluster, home_per_update=False), FreeAllreduce())
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # m-TOPO
 
 
@@ -63,7 +63,8 @@ class TopoFill:
         i = self.queue.popleft()
         g, size = sched.g, sched.memory.size
         claimed = [r for r in (*g.ops[i].inputs, *g.ops[i].updates) if g.ops[r].kind in RESIDENT]
-        new = [r for r in dict.fromkeys(m for r in claimed for m in self.group.get(r, (r,))) if r not in self.home]
+        new = [r for r in dict.fromkeys(m for r in claimed for m in self.group.get(r, (r,)))
+               if r not in self.home]
         need = size[i] + sum(size[r] for r in new)
         homes = {self.home[r] for r in g.ops[i].updates if r in self.home}
         if homes:  # colocated with its parameter, which was charged with its state where it was first read
@@ -103,7 +104,7 @@ def _no_costs(graph: OpGraph, cluster: Cluster) -> PlanCosts:
     return PlanCosts(times=np.zeros((len(graph.ops), len(cluster.devices))), cluster=cluster)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # m-ETF and m-SCT: list scheduling by earliest start time
 
 
@@ -130,7 +131,8 @@ class EarliestStart:
         c = self._favorite(sched) if self.favorite is not None else None
         if c is None:
             r = np.array(self.ops)
-            est = np.where(sched.memory.room_many(r), np.maximum(self.arrive[r], sched.free_at[None, :]), np.inf)
+            est = np.where(sched.memory.room_many(r), np.maximum(self.arrive[r], sched.free_at[None, :]),
+                           np.inf)
             row, d = divmod(int(np.argmin(est)), sched.n_devices)
             c = Choice(int(r[row]), d, float(est[row, d]))
         self.ops.remove(c.op)
@@ -143,7 +145,8 @@ class EarliestStart:
         best: tuple[float, int, int] | None = None
         for d, p in enumerate(sched.last):
             c = self.favorite[p] if p >= 0 else -1
-            if c < 0 or not self.is_ready[c] or self.arrive[c, d] > sched.free_at[d] or not sched.memory.room(c)[d]:
+            if (c < 0 or not self.is_ready[c] or self.arrive[c, d] > sched.free_at[d]
+                    or not sched.memory.room(c)[d]):
                 continue
             cand = (float(sched.free_at[d]), c, d)
             if best is None or cand < best:
@@ -176,7 +179,7 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: PlanCosts | None = None) -> S
     return list_schedule(sched, EarliestStart(sched, favorite_children(graph, costs))).strategy("m-sct")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # SCT favorite children
 
 
@@ -185,16 +188,17 @@ def favorite_children(g: OpGraph, costs: PlanCosts) -> list[int]:
     1995).
 
     Variables: a start time t_i per scheduled op, x_ij in [0, 1] per edge (0: j runs right after i on i's
-    device, so the transfer vanishes) and the makespan w. Constraints, with p_i an op's mean time over devices and
-    c_ij the edge's mean transfer time over device pairs:
+    device, so the transfer vanishes) and the makespan w. Constraints, with p_i an op's mean time over devices
+    and c_ij the edge's mean transfer time over device pairs:
         t_j >= t_i + p_i + c_ij · x_ij          for every edge i -> j
         sum_j x_ij >= out-degree(i) - 1         each op has at most one favorite child
         sum_i x_ij >= in-degree(j) - 1          each op has at most one favorite parent
         w >= t_i + p_i                          for every op without successors
     minimize w + ε · sum c_ij x_ij / sum c_ij, with ε = 1e-6 · sum p_i: the second term, too small to trade
-    any real makespan, prefers dropping the heaviest transfers among equally short LP schedules. j is i's favorite child when x_ij < 1/2; the degree
-    constraints keep that to one child per op and one parent per child. One device: no favorites. If HiGHS fails,
-    fall back to the greedy rule: each op's heaviest-transfer child not yet claimed by another parent.
+    any real makespan, prefers dropping the heaviest transfers among equally short LP schedules. j is i's
+    favorite child when x_ij < 1/2; the degree constraints keep that to one child per op and one parent per
+    child. One device: no favorites. If HiGHS fails, fall back to the greedy rule: each op's heaviest-transfer
+    child not yet claimed by another parent.
     """
     n = len(g.ops)
     if len(costs.cluster.devices) < 2:

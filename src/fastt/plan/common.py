@@ -40,7 +40,8 @@ class PlanCosts:
         of a one-byte transfer and an empty one would lose about five of the slope's digits."""
         n = len(self.cluster.devices)
         lat = self.latency
-        return np.array([[(self.transfer(s, d, _PROBE) - lat[s, d]) / _PROBE for d in range(n)] for s in range(n)])
+        return np.array([[(self.transfer(s, d, _PROBE) - lat[s, d]) / _PROBE for d in range(n)]
+                         for s in range(n)])
 
     def mean_transfer(self) -> tuple[float, float]:
         """(latency, seconds per byte) of a transfer averaged over ordered pairs of distinct devices."""
@@ -87,7 +88,8 @@ def memory_of(g: OpGraph) -> list[int]:
         if live > peak:
             peak, at = live, i
         live -= sum(g.ops[j].out_bytes for j in frees[i] if g.ops[j].kind not in RESIDENT)
-    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0 for i, op in enumerate(g.ops)]
+    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0
+            for i, op in enumerate(g.ops)]
 
 
 def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[int],

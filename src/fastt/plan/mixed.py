@@ -92,7 +92,8 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
             s.validate(graph_for(graph, s))
             return s
         except FasttError:  # a stage that runs twice in the forward pass (a tied decoder): GPipe's order
-            return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards), replicas=shards)
+            return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards),
+                                 replicas=shards)
     return ordered(graph, strategy_from(g, planner, n, device, replicas=shards), cluster, measured)
 
 
@@ -127,7 +128,8 @@ def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: S
     top = max((virtual[i] for i in range(len(g.ops)) if fwd[i] and placed[i]), default=0)
     for i, op in enumerate(g.ops):  # backward: one less at each change of stage on the way back
         if not fwd[i] and placed[i] and op.kind != UPDATE:
-            virtual[i] = min((virtual[j] - (stage[j] != stage[i]) for j in op.inputs if not fwd[j] and placed[j]
+            virtual[i] = min((virtual[j] - (stage[j] != stage[i]) for j in op.inputs if not fwd[j]
+                              and placed[j]
                               and g.ops[j].kind != UPDATE), default=top)
     key = [0] * len(g.ops)
     for i, op in enumerate(g.ops):
@@ -153,7 +155,8 @@ class _Held:
         pass
 
 
-def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
+def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster,
+            measured: MeasuredCosts | None = None) -> Strategy:
     """`strategy` with each device's ops reordered by a list schedule of its placement (ops by decreasing
     upward rank, their time on their device plus the longest path after them with transfers, each in the first
     idle gap of its device), so that a device runs first what others wait for: the FC layer's shard a
@@ -164,7 +167,8 @@ def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: Meas
     nbytes = edge_bytes(g)
     here = [max(d, 0) for d in device]
     rank = upward_rank(g, costs.times[np.arange(len(g.ops)), here],
-                       lambda i, s: 0.0 if here[i] == here[s] else costs.transfer(here[i], here[s], nbytes[i, s]))
+                       lambda i, s: 0.0 if here[i] == here[s]
+                       else costs.transfer(here[i], here[s], nbytes[i, s]))
     homes = {g.index[name]: list(devs) for name, devs in strategy.holders.items()}
     policy = ByRank(rank, fixed=dict(enumerate(here)))  # every op fixed: ranks order, devices stay
     sched = list_schedule(Schedule(g, costs, _Held(homes, strategy.n_devices), RingAllreduce()), policy)
@@ -217,7 +221,8 @@ def owt(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None)
     """The one weird trick: convolutions and attention data-parallel, other matmuls and embeddings held
     once."""
     found = layers(graph)
-    attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name or "attention" in layer.name}
+    attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name
+                 or "attention" in layer.name}
     chosen = [k for k in range(len(found)) if k not in attention and not _targets(graph, found, k) & set(CONV)
               and _targets(graph, found, k) & {*MATMUL, *EMBEDDING}]
     if not chosen:

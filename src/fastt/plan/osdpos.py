@@ -6,8 +6,8 @@
    device, and the list schedulers HEFT, m-ETF, m-SCT and m-TOPO (milliseconds each) — a portfolio, so `fastt`
    is never slower than any of them; the `dpos` planner is DPOS alone.
 2. Find the critical path of the starting plan's simulated schedule.
-3. Take its ops that have a split rule in decreasing compute time. For each, try every dimension its rule allows
-   and every part count from 2 to the number of devices, rerun DPOS on each split graph, keep the best.
+3. Take its ops that have a split rule in decreasing compute time. For each, try every dimension its rule
+   allows and every part count from 2 to the number of devices, rerun DPOS on each split graph, keep the best.
 4. Accept a split only if it lowers the iteration time; at the first op where no split helps, stop.
 Candidates are compared by DPOS's own makespan (fast), and an accepted plan is confirmed by the simulator.
 `budget_s` bounds the search: when it runs out the best plan so far is returned.
@@ -85,7 +85,8 @@ def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Clus
     times = op_times(g, cluster, measured)
     tl = simulate(g, best, cluster, times)
     cp = {g.index[name] for name in tl.critical_path if name in g.index}
-    names = [g.ops[i].name for i in sorted((i for i in cp if splittable(g.ops[i], g)), key=lambda i: -times[i].max())]
+    by_time = sorted((i for i in cp if splittable(g.ops[i], g)), key=lambda i: -times[i].max())
+    names = [g.ops[i].name for i in by_time]
     splits = list(best.splits)
     makespan = max(schedule(g, PlanCosts(times, cluster)).finish)
     for name in names:

@@ -90,7 +90,8 @@ class StaticMemory:
         for i, op in enumerate(g.ops):
             for r in op.updates:
                 self.updaters[r].append(i)
-        self.copies = [max(len(self.updaters.get(r, ())), 1) if home_per_update else 1 for r in range(len(g.ops))]
+        self.copies = [max(len(self.updaters.get(r, ())), 1) if home_per_update else 1
+                       for r in range(len(g.ops))]
         self.claims: list[tuple[int, ...]] = []  # the residents each op claims
         self.claimants: dict[int, list[int]] = {r: [] for r in g.residents}
         for i, op in enumerate(g.ops):
@@ -275,7 +276,8 @@ class Schedule:
     def strategy(self, planner: str, by_start: bool = True, replicas: int | None = None) -> Strategy:
         """The Strategy: each device's ops sorted by start time (or in topological order)."""
         device_of = [max(d, 0) for d in self.dev]
-        return strategy_from(self.g, planner, self.n_devices, device_of, start=self.start if by_start else None,
+        return strategy_from(self.g, planner, self.n_devices, device_of,
+                             start=self.start if by_start else None,
                              replicas=self.g.replicas if replicas is None else replicas)
 
 

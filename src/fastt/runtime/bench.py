@@ -26,7 +26,8 @@ def _placed(make: Callable[[], Workload], home: str) -> Workload:
 
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
-                 check: bool, tune: bool = False, clip_grad_norm: float | None = None, trial: bool = True) -> dict:
+                 check: bool, tune: bool = False, clip_grad_norm: float | None = None,
+                 trial: bool = True) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
@@ -62,7 +63,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
             times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
             if ref is not None:
-                worst = max(worst, eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm))
+                diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm)
+                worst = max(worst, diff)
         after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
         results.append({"planner": planner, "measured_iteration_s": measured,

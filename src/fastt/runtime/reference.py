@@ -29,7 +29,8 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim
 
 
 def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                  batch: Sequence[torch.Tensor], replicas: int, clip_grad_norm: float | None = None) -> torch.Tensor:
+                  batch: Sequence[torch.Tensor], replicas: int,
+                  clip_grad_norm: float | None = None) -> torch.Tensor:
     """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its
     own copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica
     0's buffers kept; returns the mean of the replicas' losses. The reference only for batch statistics: it

@@ -86,7 +86,8 @@ class Feed:
         pieces it received, in row order."""
         out: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in self.checker]
         for k, i in self.held[rank]:
-            parts = [self.rows(rank, shard[i], lo, hi) if src == rank else received[Piece(src, rank, i, lo, hi)]
+            parts = [self.rows(rank, shard[i], lo, hi) if src == rank
+                     else received[Piece(src, rank, i, lo, hi)]
                      for src, lo, hi in spans(k, self.share, self.shard)]
             out[k][i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
@@ -100,7 +101,8 @@ def spans(k: int, share: int, shard: int) -> list[tuple[int, int, int]]:
 
 def inputs_of(low: Lowered, programs: Programs) -> list[str]:
     """The placeholders of the step's inputs (the batch), in order."""
-    return [name for name, role in zip(programs.placeholders, low.step.roles, strict=True) if role[0] == "input"]
+    return [name for name, role in zip(programs.placeholders, low.step.roles, strict=True)
+            if role[0] == "input"]
 
 
 def input_roots(low: Lowered, programs: Programs) -> dict[str, frozenset[int]]:
@@ -108,7 +110,8 @@ def input_roots(low: Lowered, programs: Programs) -> dict[str, frozenset[int]]:
     from."""
     roots = {name: frozenset({i}) for i, name in enumerate(inputs_of(low, programs))}
     for name in low.prelude:
-        got = frozenset().union(*(roots.get(a.name, frozenset()) for a in programs.nodes[name].all_input_nodes))
+        got = frozenset().union(*(roots.get(a.name, frozenset())
+                                  for a in programs.nodes[name].all_input_nodes))
         if got:
             roots[name] = got
     return roots
@@ -119,8 +122,8 @@ def plan_feed(low: Lowered, programs: Programs, reads: Sequence[Sequence[tuple[i
     world, replicas = len(programs.devices), low.replicas
     batch = low.step.batch * replicas
     if batch % world:
-        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch divisible by "
-                         f"{world}")
+        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch "
+                         f"divisible by {world}")
     shard, share = batch // world, low.step.batch
     roots = input_roots(low, programs)
     vals = [programs.nodes[name].meta["val"] for name in inputs_of(low, programs)]

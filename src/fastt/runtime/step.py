@@ -64,9 +64,11 @@ class ParallelStep(PlacedStep):
     With a `tuner`, the first steps of training also tune the plan (see `fastt.runtime.tune`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
-                 costs: MeasuredCosts, placed: Placed, threads_per_device: int, tuner: Tuner | None = None) -> None:
+                 costs: MeasuredCosts, placed: Placed, threads_per_device: int,
+                 tuner: Tuner | None = None) -> None:
         self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
-        self.costs, self.placed, self.threads_per_device, self.tuner = costs, placed, threads_per_device, tuner
+        self.costs, self.placed, self.threads_per_device = costs, placed, threads_per_device
+        self.tuner = tuner
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         tuning = self.tuner is not None and self.tuner.active
@@ -76,7 +78,8 @@ class ParallelStep(PlacedStep):
         step.check(self.model, self.optimizer, batch, self.lowered.replicas)
         guards.check(step.gm, batch, self.lowered.replicas)
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
-        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
+        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
+                                                batch,
                                                 hypers, self.threads_per_device, timings)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
         # which the optimizer and the user hold, stay the same).
@@ -102,7 +105,8 @@ def busy_devices(strategy: Strategy) -> int:
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
-                clip_grad_norm: float | None = None, accumulate: int = 1, trial: bool | int = True) -> ParallelStep:
+                clip_grad_norm: float | None = None, accumulate: int = 1,
+                trial: bool | int = True) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and
     return the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`;
     `cuda:0,0` runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its
@@ -121,10 +125,11 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     parallelism over the micro-batches (`plan.basic.data_parallel`).
     """
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise FasttError(f"accumulate must be a whole number of micro-batches a step (1 or more), got {accumulate!r}")
+        raise FasttError("accumulate must be a whole number of micro-batches a step (1 or more), got "
+                         f"{accumulate!r}")
     if accumulate > 1 and (tune or strategy is not None or planner not in ("fastt", "dp")):
-        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp (or the "
-                         "default), without tune or a strategy of your own")
+        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp "
+                         "(or the default), without tune or a strategy of your own")
     cl = cluster(devices)
     _check_home(model, example_inputs, cl)
     cl = calibrate_cpu(cl)
@@ -146,8 +151,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     chosen = decide(graph, cl, n_devices=n, planner=planner, strategy=strategy, tuner=tuner, measure=measure)
 
     def placed(s: Strategy, tuning: Tuner | None = None) -> ParallelStep:
-        return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs), threads,
-                            tuning)
+        return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs),
+                            threads, tuning)
 
     step = placed(chosen.strategy, tuner)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
@@ -165,5 +170,5 @@ def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], 
     home = {t.device for t in [*model.parameters(), *example_inputs]}
     if len(home) != 1 or not home <= targets:
         where = ", ".join(sorted(map(str, home)))
-        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move them "
-                         f"there first (e.g. model.to('{min(map(str, targets))}'))")
+        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move "
+                         f"them there first (e.g. model.to('{min(map(str, targets))}'))")

@@ -104,14 +104,16 @@ class Tuner:
         if self._kept is not None:  # a trial ends: keep it or roll back
             old, old_s = self._kept
             kept = measured < old_s
-            self._record(placed, measured, kept, f"{'kept' if kept else 'rolled back'} (before: {old_s * 1e3:.1f} ms)")
+            self._record(placed, measured, kept,
+                         f"{'kept' if kept else 'rolled back'} (before: {old_s * 1e3:.1f} ms)")
             if not kept:
                 step.placed, measured = old, old_s
             self._kept = None
         else:
             self._record(placed, measured, True, "running")
         if len(self.rounds) >= 2 * self.max_rounds or (len(self.rounds) > 1 and moved < self.tolerance):
-            return self._stop(step, f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up")
+            why = f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up"
+            return self._stop(step, why)
         candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs)
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")

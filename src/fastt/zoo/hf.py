@@ -80,7 +80,8 @@ def _bert(size: str, batch: int, dropout: bool, large: bool, length: int = 128) 
     else:
         hidden, layers, heads, length, vocab = (256, 2, 4, 64, 2000)
     config = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                           num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=512,
+                           num_attention_heads=heads, intermediate_size=4 * hidden,
+                           max_position_embeddings=512,
                            hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=None,
                            attn_implementation="eager")
     model = LogitsOnly(tf.BertForMaskedLM(config), bert=True)
@@ -182,7 +183,8 @@ def distilbert_padded(size: str, batch: int, dropout: bool) -> Built:
     paper, test = (768, 6, 12, 128, 30522), (128, 2, 4, 64, 2000)
     d, layers, heads, length, vocab = paper if size == "paper" else test
     config = tf.DistilBertConfig(vocab_size=vocab, dim=d, hidden_dim=4 * d, n_layers=layers, n_heads=heads,
-                                 max_position_embeddings=512, dropout=p, attention_dropout=p, pad_token_id=None)
+                                 max_position_embeddings=512, dropout=p, attention_dropout=p,
+                                 pad_token_id=None)
     model = LogitsOnly(tf.DistilBertForMaskedLM(config))
     lengths = torch.randint(length // 2, length + 1, (batch,))
     lengths[0] = length

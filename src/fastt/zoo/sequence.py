@@ -49,9 +49,11 @@ class Transformer(nn.Module):
         # nn.Transformer deep-copies one prototype layer per layer, and deepcopy of a FakeTensor lands in a
         # new FakeTensorMode ("Mixing fake modes" later); so build it with 0 layers and add fresh ones.
         t = nn.Transformer(d_model, heads, 0, 0, ffn, dropout, batch_first=True)
-        t.encoder.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+        t.encoder.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, ffn, dropout,
+                                                                    batch_first=True)
                                          for _ in range(layers))
-        t.decoder.layers = nn.ModuleList(nn.TransformerDecoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+        t.decoder.layers = nn.ModuleList(nn.TransformerDecoderLayer(d_model, heads, ffn, dropout,
+                                                                    batch_first=True)
                                          for _ in range(layers))
         t.encoder.num_layers = t.decoder.num_layers = layers
         for p in t.parameters():
@@ -123,7 +125,8 @@ def rnnlm(size: str, batch: int, dropout: bool) -> Built:
     else:
         vocab, hidden, length = 2000, 256, 20
     tokens = _tokens(batch, length + 1, vocab)
-    return RNNLM(vocab, hidden, 2, p), cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return RNNLM(vocab, hidden, 2, p), cross_entropy, (tokens[:, :-1].contiguous(),
+                                                       tokens[:, 1:].contiguous())
 
 
 # ------------------------------------------------------------------------------------------------------- GNMT

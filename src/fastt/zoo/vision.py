@@ -113,8 +113,8 @@ VGG19_CFG: tuple[int, ...] = (64, 64, 0, 128, 128, 0, 256, 256, 256, 256, 0, 512
 class VGG(nn.Module):
     """VGG (Simonyan & Zisserman 2015): 3x3 convs with ReLU, 2x2 max pools, three FC layers."""
 
-    def __init__(self, cfg: Sequence[int] = VGG19_CFG, side: int = 224, classes: int = 1000, width: float = 1.0,
-                 fc: int = 4096, dropout: float = 0.5) -> None:
+    def __init__(self, cfg: Sequence[int] = VGG19_CFG, side: int = 224, classes: int = 1000,
+                 width: float = 1.0, fc: int = 4096, dropout: float = 0.5) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         cin, s = 3, side
@@ -273,7 +273,8 @@ class InceptionB(nn.Module):
     def __init__(self, cin: int, w: Width) -> None:
         super().__init__()
         self.b3 = Conv(cin, w(384), 3, 2)
-        self.bd = nn.Sequential(Conv(cin, w(64), 1), Conv(w(64), w(96), 3, padding=1), Conv(w(96), w(96), 3, 2))
+        self.bd = nn.Sequential(Conv(cin, w(64), 1), Conv(w(64), w(96), 3, padding=1),
+                                Conv(w(96), w(96), 3, 2))
         self.out_channels = w(384) + w(96) + cin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
