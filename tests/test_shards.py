@@ -21,7 +21,7 @@ from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import reads
-from fastt.runtime.local import place
+from fastt.runtime.programs import place
 from fastt.runtime.reference import batch_like
 from fastt.runtime.shards import Feed, input_roots, plan_feed, shard_of
 

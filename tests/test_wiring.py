@@ -33,7 +33,8 @@ from fastt.runtime.distributed import (
     unpack,
     wire,
 )
-from fastt.runtime.local import place, replica_mean
+from fastt.runtime.local import replica_mean
+from fastt.runtime.programs import place
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """The Python interface users see: capture, cluster, plan, simulate.
 
 A facade over the stages of the data path (docs/design.md), which hold the code: `coarsen.capture_graph`,
-`cost.measure_model`, `plan.named.plan`, `simulate.simulate_plan` and `simulate.lower_bound`. Here a cluster may
-also be given by its spec ("4xV100", "cpu:2", a JSON path).
+`cost.measure_model`, `plan.named.plan`, `simulate.simulate_plan` and `simulate.lower_bound`. Here a cluster
+may also be given by its spec ("4xV100", "cpu:2", a JSON path).
 """
 
 from __future__ import annotations

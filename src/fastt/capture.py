@@ -4,11 +4,12 @@ The step is written functionally and traced with `make_fx(functionalize(...), tr
 
     step(params, buffers, states, *batch) -> (loss, grads, new_params, new_states)
 
-Gradients come from `torch.func.grad_and_value`; the update repeats torch.optim's default single-tensor
-update op for op on clones of the parameters and state (functionalize turns its in-place ops into pure ones),
-with the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers (batch-norm running stats) are updated in place, exactly as
-eager mode does. `Step.run` executes the captured graph on real tensors and writes the results back into the
-model and the optimizer, so the model's parameters and the optimizer's state stay the truth.
+Gradients come from `torch.func.grad_and_value`; the update repeats torch.optim's default single-tensor update
+op for op on clones of the parameters and state (functionalize turns its in-place ops into pure ones), with
+the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers
+(batch-norm running stats) are updated in place, exactly as eager mode does. `Step.run` executes the captured
+graph on real tensors and writes the results back into the model and the optimizer, so the model's parameters
+and the optimizer's state stay the truth.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from .loss import Reduction, reduction_of
 # Per optimizer class: the state keys it keeps per parameter, in the order the graph takes them.
 _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
     torch.optim.SGD: lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (),
-    torch.optim.Adam: lambda g: ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ()),
-    torch.optim.AdamW: lambda g: ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ()),
+    torch.optim.Adam: lambda g: (("step", "exp_avg", "exp_avg_sq")
+                                 + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
+    torch.optim.AdamW: lambda g: (("step", "exp_avg", "exp_avg_sq")
+                                  + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
 }
 
 
@@ -48,10 +51,10 @@ def _new_state(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> t
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-# Per optimizer class: the hyperparameters its update reads from a param group, as eager's update computes them
-# from the group in Python (1 - beta1, ...). They are inputs of the step, read from the group at every call, so
-# that an LR schedule works. A zero weight decay or momentum skips ops, as in eager: whether it is zero is part of
-# the step's structure.
+# Per optimizer class: the hyperparameters its update reads from a param group, as eager's update computes
+# them from the group in Python (1 - beta1, ...). They are inputs of the step, read from the group at every
+# call, so that an LR schedule works. A zero weight decay or momentum skips ops, as in eager: whether it is
+# zero is part of the step's structure.
 def _adam_keys(g: dict, decoupled: bool) -> tuple[str, ...]:
     wd = () if g["weight_decay"] == 0 else ("1-lr*weight_decay",) if decoupled or g.get(
         "decoupled_weight_decay", False) else ("weight_decay",)
@@ -98,7 +101,8 @@ def hyper_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, ...]]:
 
 
 def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...]]) -> list[float]:
-    """The step's hyperparameter inputs, read from the optimizer's param groups now (an LR schedule's value)."""
+    """The step's hyperparameter inputs, read from the optimizer's param groups now (an LR schedule's
+    value)."""
     out = []
     for g, ks in zip(optimizer.param_groups, keys):
         value = _reader(g)
@@ -106,15 +110,16 @@ def hyper_values(optimizer: torch.optim.Optimizer, keys: Sequence[tuple[str, ...
     return out
 
 
-def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list, grads: list,
-            states: list[list]) -> None:
-    """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the group's
-    hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten the graph).
+def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor], ps: list,
+            grads: list, states: list[list]) -> None:
+    """One optimizer step, in place on `ps` and `states` (clones inside the trace), `hyper` holding the
+    group's hyperparameters (0-dim tensors in the trace, Python numbers once `_scalar_inputs` has rewritten
+    the graph).
 
-    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so the
-    captured step reproduces eager training to rounding; `x.add(y * h)` becomes eager's `x.add(y, alpha=h)` (one
-    fused multiply-add). Adam's bias corrections are computed from the step counter as float64 tensors, as eager
-    does with Python floats, so one graph serves every step.
+    The arithmetic follows torch.optim's default single-tensor path op for op (same kernels, same order), so
+    the captured step reproduces eager training to rounding; `x.add(y * h)` becomes eager's `x.add(y,
+    alpha=h)` (one fused multiply-add). Adam's bias corrections are computed from the step counter as float64
+    tensors, as eager does with Python floats, so one graph serves every step.
     """
     wd, maximize = hyper.get("weight_decay"), group["maximize"]
     for p, g, st in zip(ps, grads, states):
@@ -137,7 +142,8 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
         # addcmul(g, g, value=v) computes self + (v * g) * g: keep that order.
         exp_avg_sq.mul_(hyper["beta2"]).addcmul_(g * hyper["1-beta2"], g)
         step64 = step.to(torch.float64)
-        # lr / t is t.reciprocal() * lr for a tensor t, as eager's Python float over the step counter rounds here.
+        # lr / t is t.reciprocal() * lr for a tensor t, as eager's Python float over the step counter rounds
+        # here.
         step_size = ((1 - hyper["beta1"] ** step64).reciprocal() * hyper["lr"]).to(p.dtype)
         bias_correction2_sqrt = (1 - hyper["beta2"] ** step64).sqrt().to(p.dtype)
         if group["amsgrad"]:
@@ -152,10 +158,11 @@ _aten = torch.ops.aten
 
 
 def _scalar_inputs(gm: GraphModule, scalars: Sequence[torch.fx.Node]) -> None:
-    """Rewrite the traced graph so that the placeholders `scalars` (hyperparameters and the loss weight, traced
-    as 0-dim tensors) are Python numbers, used as eager uses them: `x * h` and `x + h` take the number (a wrapped
-    scalar), `x.add(y * h)` becomes `x.add(y, alpha=h)` (eager's fused multiply-add, which a tensor cannot
-    reach), `lerp(x, y, h)` and `h ** t` their Scalar overloads. No tensor is made for them at run time."""
+    """Rewrite the traced graph so that the placeholders `scalars` (hyperparameters and the loss weight,
+    traced as 0-dim tensors) are Python numbers, used as eager uses them: `x * h` and `x + h` take the number
+    (a wrapped scalar), `x.add(y * h)` becomes `x.add(y, alpha=h)` (eager's fused multiply-add, which a tensor
+    cannot reach), `lerp(x, y, h)` and `h ** t` their Scalar overloads. No tensor is made for them at run
+    time."""
     graph = gm.graph
     for h in scalars:
         for cast in [u for u in h.users if u.target is _aten._to_copy.default]:
@@ -174,7 +181,8 @@ def _scalar_inputs(gm: GraphModule, scalars: Sequence[torch.fx.Node]) -> None:
             elif t is _aten.pow.Tensor_Tensor and args[0] is h:
                 use.target = _aten.pow.Scalar
             else:
-                raise AssertionError(f"a hyperparameter is read by {use.format_node()}: make it a number there")
+                raise AssertionError(f"a hyperparameter is read by {use.format_node()}: make it a number "
+                                     "there")
         h.meta["val"] = 1.0
     gm.recompile()
 
@@ -191,12 +199,12 @@ def _check_supported(optimizer: torch.optim.Optimizer, group: dict) -> None:
 class Step:
     """A captured training step and how a model and optimizer bind to its inputs and outputs.
 
-    `roles[k]` says what the k-th placeholder of `gm` is: ("param", name), ("buffer", name),
-    ("state", "param name:key"), ("input", index), ("hyper", "group:key") (a hyperparameter of a param group,
-    read from the optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for
-    the whole batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise
-    names the graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated.
-    `reduction` says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
+    `roles[k]` says what the k-th placeholder of `gm` is: ("param", name), ("buffer", name), ("state", "param
+    name:key"), ("input", index), ("hyper", "group:key") (a hyperparameter of a param group, read from the
+    optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for the whole
+    batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise names the
+    graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated. `reduction`
+    says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
     """
 
     gm: GraphModule
@@ -223,8 +231,8 @@ class Step:
         share = [x[:x.shape[0] // replicas] if replicas > 1 and x.dim() else x for x in batch]
         changed = _changed(self.structure, _structure(model, optimizer, share))
         if changed:
-            raise FasttError(f"{changed} since the step was captured: the captured step cannot run it; capture "
-                             "again (parallelize again) after such a change")
+            raise FasttError(f"{changed} since the step was captured: the captured step cannot run it; "
+                             "capture again (parallelize again) after such a change")
 
     def arguments(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
                   create: bool = True) -> tuple[list, list, list, list, list[float]]:
@@ -270,13 +278,15 @@ def _groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) ->
         out.append((g, idx))
     missing = [i for i in range(len(params)) if i not in seen]
     if missing:
-        raise FasttError(f"{len(missing)} trainable parameters are not in the optimizer: add them or freeze them")
+        raise FasttError(f"{len(missing)} trainable parameters are not in the optimizer: add them or freeze "
+                         "them")
     return out
 
 
 def _buffer_names(model: nn.Module) -> list[str]:
     """The model's tensors the step reads and never trains: its buffers, then its frozen parameters."""
-    return [n for n, _ in model.named_buffers()] + [n for n, p in model.named_parameters() if not p.requires_grad]
+    return [n for n, _ in model.named_buffers()] + [n for n, p in model.named_parameters()
+                                                    if not p.requires_grad]
 
 
 def bind(model, optimizer, names, state_keys, create: bool, buffer_names: Sequence[str] | None = None):
@@ -358,22 +368,24 @@ class _WithLoss(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
         super().__init__()
-        self.model, self.loss_fn = model, [loss_fn]  # a list: a loss module's own tensors stay out of the swap
+        # a list: a loss module's own tensors stay out of the swap
+        self.model, self.loss_fn = model, [loss_fn]
 
     def forward(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.loss_fn[0](self.model(*batch[:-1]), batch[-1])
 
 
 def check_clip(clip_grad_norm: float | None) -> None:
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and 0 < clip_grad_norm < inf):
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                           and 0 < clip_grad_norm < inf):
         raise FasttError(f"clip_grad_norm must be a positive number (the largest global gradient norm), got "
                          f"{clip_grad_norm!r}")
 
 
 def _clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     """The gradients scaled to global norm at most `max_norm`, computed as `clip_grad_norm_` does (the norm of
-    the per-gradient norms, max_norm / (norm + 1e-6) clamped to 1). Under data parallelism the updates read the
-    averaged gradients, so this is the norm of the whole batch's gradient, as with DDP."""
+    the per-gradient norms, max_norm / (norm + 1e-6) clamped to 1). Under data parallelism the updates read
+    the averaged gradients, so this is the norm of the whole batch's gradient, as with DDP."""
     norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -481,8 +493,9 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         raise
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a model "
-                         "that fake tensors trace (its Python may branch on the batch's values only)") from e
+        raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a "
+                         "model that fake tensors trace (its Python may branch on the batch's values "
+                         "only)") from e
     finally:
         model.train(was_training)
     gm.graph.eliminate_dead_code()

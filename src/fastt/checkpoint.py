@@ -1,5 +1,5 @@
-"""Checkpoints that a run killed at any moment cannot spoil: written to a temporary file, then renamed over the
-previous one, so the path always holds a whole checkpoint."""
+"""Checkpoints that a run killed at any moment cannot spoil: written to a temporary file, then renamed over
+the previous one, so the path always holds a whole checkpoint."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 
 def save(obj: object, path: str | os.PathLike) -> None:
-    """`torch.save(obj, path)`, atomically: until the new checkpoint is whole on disk, `path` holds the previous
-    one. A process killed while saving leaves at most `path.tmp`, which the next save overwrites."""
+    """`torch.save(obj, path)`, atomically: until the new checkpoint is whole on disk, `path` holds the
+    previous one. A process killed while saving leaves at most `path.tmp`, which the next save overwrites."""
     path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:

@@ -8,8 +8,8 @@ Three groupings make ops worth placing:
 - an op that writes a buffer in place (batch-norm running stats, `copy_` into a buffer) records the buffer in
   `updates`, so holders of the buffer are known to the strategy.
 
-`capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened, able
-to capture itself again at a smaller batch.
+`capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened,
+able to capture itself again at a smaller batch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ ALIAS = {
     operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
     aten.transpose.int, aten.permute.default, aten.expand.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.detach.default, aten.slice.Tensor,
-    aten.select.int, aten.as_strided.default, aten.view_as_real.default, aten.unfold.default, aten.split.Tensor,
+    aten.select.int, aten.as_strided.default, aten.view_as_real.default, aten.unfold.default,
+    aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
 }
 
@@ -51,12 +52,13 @@ EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
 }
 
-# Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are: held
-# where they are read.
-# The optimizer ops that several parameters' updates read (a gradient clip's global norm): one UPDATE op that
-# writes nothing; under data parallelism it reads the averaged gradients, as the updates do.
+# Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are:
+# held where they are read. The optimizer ops that several parameters' updates read (a gradient clip's global
+# norm): one UPDATE op that writes nothing; under data parallelism it reads the averaged gradients, as the
+# updates do.
 SHARED = "update:*"
-_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER, "weight": BUFFER}
+_ROLE_KIND = {"param": PARAM, "buffer": BUFFER, "state": STATE, "input": INPUT, "hyper": BUFFER,
+              "weight": BUFFER}
 
 
 def nbytes(val: object) -> int:
@@ -69,8 +71,9 @@ def nbytes(val: object) -> int:
 
 
 def _arg_nodes(node: Node) -> list[Node]:
-    """The nodes whose values `node` reads from other ops. A get_attr constant (a tensor the model's code makes,
-    such as transformers' empty key/value cache) is no op: the step holds it, so every device has it."""
+    """The nodes whose values `node` reads from other ops. A get_attr constant (a tensor the model's code
+    makes, such as transformers' empty key/value cache) is no op: the step holds it, so every device has
+    it."""
     return [a for a in node.all_input_nodes if a.op != "get_attr"]
 
 
@@ -182,10 +185,12 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
         updated = tuple(sorted(index[u] for u in updates.get(gname, ())))
         sig = hashlib.sha1("|".join(shapes).encode()).hexdigest()[:16] if shapes else ""
         head = next((n for n in nodes if n.op == "call_function" and n.target not in ALIAS), nodes[0])
-        target = "update" if k == UPDATE else str(head.target) if head.op == "call_function" else "placeholder"
+        target = ("update" if k == UPDATE else str(head.target) if head.op == "call_function"
+                  else "placeholder")
         order = list(reads)
         read = set(_arg_nodes(head))
-        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and a in read and group[a] != gname else -1
+        arg_inputs = tuple(order.index(group[a]) if isinstance(a, Node) and a in read and group[a] != gname
+                           else -1
                            for a in head.args) if head.op == "call_function" else ()
         index[gname] = len(ops)
         ops.append(Op(name=gname, kind=k, target=target, inputs=inputs,
@@ -203,8 +208,8 @@ def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
                   clip_grad_norm: float | None = None) -> OpGraph:
     """One whole training step (forward, backward, optimizer update) as an OpGraph.
 
-    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example input
-    is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
+    Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example
+    input is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
     `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
     """
     example_inputs = tuple(example_inputs)

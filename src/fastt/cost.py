@@ -1,10 +1,10 @@
 """Costs: how long each op takes on each device, and what a transfer costs on each link.
 
 Two sources, as FastT has: *roofline* estimates from an op's FLOPs (torch.utils.flop_counter) and bytes moved
-against a device's peak FLOP/s and memory bandwidth (for named GPUs that are not here), and *measured* times from
-running the real step on a real device, each op timed inside whole runs of the step (timing ops in isolation
-underestimates them: caches are warm and nothing competes). Transfers are `latency + bytes / bandwidth` per link,
-fitted by least squares on measured copies.
+against a device's peak FLOP/s and memory bandwidth (for named GPUs that are not here), and *measured* times
+from running the real step on a real device, each op timed inside whole runs of the step (timing ops in
+isolation underestimates them: caches are warm and nothing competes). Transfers are `latency + bytes /
+bandwidth` per link, fitted by least squares on measured copies.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class MeasuredCosts:
     def load(cls, path: str | Path) -> MeasuredCosts:
         try:
             d = json.loads(Path(path).read_text())
-            return cls(kind=d["kind"], threads=int(d["threads"]), seconds={k: float(v) for k, v in d["seconds"].items()})
+            return cls(kind=d["kind"], threads=int(d["threads"]),
+                       seconds={k: float(v) for k, v in d["seconds"].items()})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise FasttError(f"cannot read cost file {path}: {e}; measure again") from e
 
@@ -94,9 +95,10 @@ def _elapsed(ticks: Sequence) -> list[float]:
 
 def _timed_code(gm: torch.fx.GraphModule, clock: Callable = time.perf_counter) -> tuple[Callable, list[str]]:
     """The step's generated code with a clock read after every aten call: fn(*flat inputs) -> clock readings
-    (one before the first call, then one per name in the returned list). It runs the same code as the runtime, so
-    the per-call Python overhead is what the runtime pays. On a GPU the clock records a CUDA event on the current
-    stream: an op's time is then its kernels' time, or the launch gap when the GPU waits for Python."""
+    (one before the first call, then one per name in the returned list). It runs the same code as the runtime,
+    so the per-call Python overhead is what the runtime pays. On a GPU the clock records a CUDA event on the
+    current stream: an op's time is then its kernels' time, or the launch gap when the GPU waits for
+    Python."""
     g = torch.fx.Graph()
     values: dict[str, torch.fx.Node] = {}
     ticks, names = [], []
@@ -117,13 +119,13 @@ def _timed_code(gm: torch.fx.GraphModule, clock: Callable = time.perf_counter) -
 def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads: int = 1, runs: int = 5,
             progress: bool = True, concurrent: int = 1) -> MeasuredCosts:
     """Time every op of `graph` on this CPU with `threads` threads, or on the GPU its inputs are on (kind
-    "cuda"): the mean over `runs` whole-step runs (a sum of per-op medians misses the occasional slow call that
-    every real run pays).
+    "cuda"): the mean over `runs` whole-step runs (a sum of per-op medians misses the occasional slow call
+    that every real run pays).
 
     `real_inputs` are the step's graph inputs with real tensors (params, buffers, states, *batch); they are
-    cloned, so the caller's model and optimizer are not changed. `concurrent` copies of the step run at once in
-    as many threads (the op times then include what sharing the machine's caches and memory bandwidth costs, as
-    when `concurrent` worker devices are busy).
+    cloned, so the caller's model and optimizer are not changed. `concurrent` copies of the step run at once
+    in as many threads (the op times then include what sharing the machine's caches and memory bandwidth
+    costs, as when `concurrent` worker devices are busy).
     """
     step = graph.fx
     if step is None:
@@ -153,7 +155,8 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
                 samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))
     if len(readings) < concurrent * runs:
         raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback above)")
-    return MeasuredCosts(kind=kind, threads=threads, seconds={s: statistics.mean(v) for s, v in samples.items()})
+    return MeasuredCosts(kind=kind, threads=threads,
+                         seconds={s: statistics.mean(v) for s, v in samples.items()})
 
 
 
@@ -175,26 +178,29 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
                          "it was captured with")
     params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
     kind = "cuda" if params and params[0].is_cuda else "cpu"
-    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads, runs=runs,
+    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads,
+                   runs=runs,
                    progress=progress, concurrent=concurrent)
 
 
 def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
                  concurrent: int) -> MeasuredCosts:
-    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by shape),
-    with `concurrent` copies running at once, on the device the model is on."""
-    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads, progress=False,
+    """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by
+    shape), with `concurrent` copies running at once, on the device the model is on."""
+    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
+                            progress=False,
                             concurrent=concurrent) for b in dict.fromkeys(batches)]
     seconds = {k: v for t in tables for k, v in t.seconds.items()}
     return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
 
-def fit_transfers(sizes: Sequence[float], seconds: Sequence[float], relative: bool = False) -> tuple[float, float]:
+def fit_transfers(sizes: Sequence[float], seconds: Sequence[float],
+                  relative: bool = False) -> tuple[float, float]:
     """Least-squares fit of time = a + b·bytes; returns (latency a ≥ 0, bandwidth 1/b).
 
     `relative`: fit relative errors. Sizes span decades, and in plain least squares the noise of the largest
-    transfer (a few percent of milliseconds) outweighs the smallest ones, which are what the latency is. Not for
-    copies in memory, whose small sizes run from cache at a bandwidth large ones never see."""
+    transfer (a few percent of milliseconds) outweighs the smallest ones, which are what the latency is. Not
+    for copies in memory, whose small sizes run from cache at a bandwidth large ones never see."""
     a_mat = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], axis=1)
     secs = np.asarray(seconds, dtype=float)
     w = 1.0 / np.maximum(np.abs(secs), 1e-12) if relative else np.ones(len(secs))
@@ -233,9 +239,9 @@ def measure_copies(sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24), r
 def calibrate_cpu(cluster: Cluster) -> Cluster:
     """The cluster with its CPU devices' speeds and copy links measured on this machine.
 
-    FLOP/s from a 1024² matmul, memory bandwidth and link `latency + bytes/bandwidth` from copies fitted by least
-    squares, op overhead from a tiny op, each with the device's share of the cores. A cluster that is not all
-    CPU worker devices is returned unchanged: its links are not copies in this process.
+    FLOP/s from a 1024² matmul, memory bandwidth and link `latency + bytes/bandwidth` from copies fitted by
+    least squares, op overhead from a tiny op, each with the device's share of the cores. A cluster that is
+    not all CPU worker devices is returned unchanged: its links are not copies in this process.
     """
     if any(d.kind != "cpu" for d in cluster.devices):
         return cluster

@@ -26,8 +26,8 @@ class Op:
     """One node of the OpGraph.
 
     `inputs[k]` is the index of a producer and `in_bytes[k]` the bytes this op reads from it (an edge's
-    transfer size). `out_bytes` is what the op allocates for its results: 0 for an op whose results are written
-    in place into resident tensors (`updates` lists those, by index), as an optimizer step does.
+    transfer size). `out_bytes` is what the op allocates for its results: 0 for an op whose results are
+    written in place into resident tensors (`updates` lists those, by index), as an optimizer step does.
     `batch` is True when the op's work depends on the input batch (data parallelism divides it).
     """
 
@@ -52,8 +52,8 @@ class Op:
 class OpGraph:
     """A DAG of Ops in topological order, for a step at a given batch size.
 
-    `recapture(batch)` returns the same step captured at another batch size (data parallelism needs the step at
-    batch/N); it is None for graphs built by hand. `fx` is the captured torch.fx GraphModule, if any.
+    `recapture(batch)` returns the same step captured at another batch size (data parallelism needs the step
+    at batch/N); it is None for graphs built by hand. `fx` is the captured torch.fx GraphModule, if any.
     """
 
     ops: tuple[Op, ...]
@@ -134,8 +134,8 @@ def rebatch(graph: OpGraph, batch: int) -> OpGraph:
 
 
 def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
-    """The step at batch/n replicated n times (`graph` itself when n == 1), built once per graph and n (planners
-    build it many times: every mixed plan runs on it)."""
+    """The step at batch/n replicated n times (`graph` itself when n == 1), built once per graph and n
+    (planners build it many times: every mixed plan runs on it)."""
     built = graph._replicated
     if n not in built:
         built[n] = replicate(_replica_step(graph, n), n)
@@ -153,15 +153,16 @@ def _replica_step(graph: OpGraph, n: int) -> OpGraph:
 
 
 def same_step(graph: OpGraph, sub: OpGraph) -> bool:
-    """Whether `sub` (the step recaptured at another batch) has `graph`'s ops, name for name and target for target:
-    then an op of one is known by its name in the other. At a batch of one, tracing may drop ops (an expand, a
-    clone), and fx's numbering of the rest shifts (`clone_21` becomes another clone)."""
-    return sub is graph or [(op.name, op.target) for op in sub.ops] == [(op.name, op.target) for op in graph.ops]
+    """Whether `sub` (the step recaptured at another batch) has `graph`'s ops, name for name and target for
+    target: then an op of one is known by its name in the other. At a batch of one, tracing may drop ops (an
+    expand, a clone), and fx's numbering of the rest shifts (`clone_21` becomes another clone)."""
+    return sub is graph or [(op.name, op.target) for op in sub.ops] == [(op.name, op.target)
+                                                                        for op in graph.ops]
 
 
 def replicable(graph: OpGraph, n: int) -> bool:
-    """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be weighed),
-    without building the replicated graph."""
+    """Whether n data-parallel replicas can compute `graph`'s step (its batch splits, its loss can be
+    weighed), without building the replicated graph."""
     try:
         _replica_step(graph, n)
     except FasttError:
@@ -179,7 +180,8 @@ def loss_weights(graph: OpGraph, sub: OpGraph, n: int) -> ReplicaWeights:
 
 
 def _replica_name(name: str) -> tuple[int, str]:
-    """(replica, name in the captured step) of an op that `replicate` named `r{k}/name`; (0, name) otherwise."""
+    """(replica, name in the captured step) of an op that `replicate` named `r{k}/name`; (0, name)
+    otherwise."""
     head, sep, rest = name.partition("/")
     return (int(head[1:]), rest) if sep and head[:1] == "r" and head[1:].isdigit() else (0, name)
 
@@ -193,8 +195,8 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
     """The data-parallel graph: `sub` (the step at batch/n) once per replica, gradients aggregated.
 
     Resident ops stay single (a strategy gives them several holders); every other op is copied per replica as
-    `r{k}/name`. Each gradient an optimizer update reads becomes one ALLREDUCE over the replicas' copies, and each
-    replica's update reads the aggregate, so every holder applies the same update to its own copy.
+    `r{k}/name`. Each gradient an optimizer update reads becomes one ALLREDUCE over the replicas' copies, and
+    each replica's update reads the aggregate, so every holder applies the same update to its own copy.
     """
     if n == 1:
         return sub
@@ -213,12 +215,13 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
                 where[i, k] = idx
             continue
         if op.kind == UPDATE:
-            # One allreduce per (gradient producer, update): a producer may feed several gradients. What an update
-            # reads from another (a gradient clip's coefficient) is the same in every replica already.
+            # One allreduce per (gradient producer, update): a producer may feed several gradients. What an
+            # update reads from another (a gradient clip's coefficient) is the same in every replica already.
             for j, nbytes in zip(op.inputs, op.in_bytes):
                 if sub.ops[j].kind not in RESIDENT and sub.ops[j].kind != UPDATE:
                     g = sub.ops[j]
-                    reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE, target="allreduce",
+                    reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE,
+                                            target="allreduce",
                                          inputs=tuple(where[j, k] for k in range(n)),
                                          in_bytes=(nbytes,) * n, out_bytes=nbytes, io_bytes=2 * nbytes))
         for k in range(n):
@@ -250,8 +253,9 @@ def duplicate_updates(g: OpGraph, device_of: Sequence[int]) -> set[int]:
 
 
 def without_unplaced_updates(g: OpGraph, placed: Mapping[str, int]) -> OpGraph:
-    """`g` without the copies of updates that a strategy leaves unplaced because `duplicate_updates` found them
-    (a copy is dropped only if it is not replica 0's, nothing reads it and another copy of it is placed)."""
+    """`g` without the copies of updates that a strategy leaves unplaced because `duplicate_updates` found
+    them (a copy is dropped only if it is not replica 0's, nothing reads it and another copy of it is
+    placed)."""
     if g.replicas == 1:
         return g
     kept = {base_name(op.name) for op in g.ops if op.kind == UPDATE and op.name in placed}

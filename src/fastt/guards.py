@@ -1,14 +1,15 @@
 """Branches a training step takes on its batch's values: taken from the example batch, checked on every batch.
 
-Fake tracing knows shapes, not values, so code that branches on a value (`if mask.all():`, as transformers does to
-skip a padding mask with no padding) stops it with a data-dependent guard. As torch.export's draft mode does,
-`trace` then traces again with the example's real values beside the fake ones (`fake_tensor_propagate_real_tensors`):
-each such condition takes the example batch's side, and the ShapeEnv keeps what was assumed as a deferred runtime
-assertion over unbacked symbols (`Ne(u0, 1)`, u0 being `mask.all()`). Those assertions are the step's `Guards`:
-a small graph that computes the symbols from the batch alone (copied out of the step before its dead code goes),
-and the assertions over them. `check` runs them on a batch before the step runs: a batch that would take another
-branch is refused, naming the source line, rather than trained down the branch the graph holds. (torch.compile
-breaks its graph at such a branch and decides it in Python every call; fastt plans one graph for the whole step.)
+Fake tracing knows shapes, not values, so code that branches on a value (`if mask.all():`, as transformers
+does to skip a padding mask with no padding) stops it with a data-dependent guard. As torch.export's draft
+mode does, `trace` then traces again with the example's real values beside the fake ones
+(`fake_tensor_propagate_real_tensors`): each such condition takes the example batch's side, and the ShapeEnv
+keeps what was assumed as a deferred runtime assertion over unbacked symbols (`Ne(u0, 1)`, u0 being
+`mask.all()`). Those assertions are the step's `Guards`: a small graph that computes the symbols from the
+batch alone (copied out of the step before its dead code goes), and the assertions over them. `check` runs
+them on a batch before the step runs: a batch that would take another branch is refused, naming the source
+line, rather than trained down the branch the graph holds. (torch.compile breaks its graph at such a branch
+and decides it in Python every call; fastt plans one graph for the whole step.)
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ from torch.utils import _pytree as pytree
 
 from .errors import FasttError
 
-KEY = "fastt.guards"  # a traced GraphModule's Guards, in gm.meta (none when the step takes no branch on values)
+# a traced GraphModule's Guards, in gm.meta (none when the step takes no branch on values)
+KEY = "fastt.guards"
 _TORCH = os.path.dirname(torch.__file__)
 
 
 @dataclass(frozen=True)
 class Condition:
-    """A branch the step took: `holds` (over the symbols) was true for the example batch, decided at `where`."""
+    """A branch the step took: `holds` (over the symbols) was true for the example batch, decided at
+    `where`."""
 
     holds: sympy.Basic
     where: str
@@ -47,9 +50,9 @@ class Condition:
 
 @dataclass(frozen=True)
 class Guards:
-    """What a step traced with real example values assumes about its batch. `values(*batch)` computes the nodes
-    the symbols are read from; `symbols`: (symbol, which of those values, key path into it); `example`: the
-    symbols' values for the example batch."""
+    """What a step traced with real example values assumes about its batch. `values(*batch)` computes the
+    nodes the symbols are read from; `symbols`: (symbol, which of those values, key path into it); `example`:
+    the symbols' values for the example batch."""
 
     values: Callable[..., tuple]
     symbols: tuple[tuple[sympy.Symbol, int, tuple], ...]
@@ -75,9 +78,9 @@ class Guards:
 
 
 def trace(fn: Callable, args: tuple, batch: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """`make_fx(fn, tracing_mode="fake")(*args)`, `args` holding the example `batch` (the same tensor objects).
-    Where the step branches on the batch's values it takes the example's branch, and `gm.meta[KEY]` holds the
-    guards that `check` tests later batches with (see the module docstring)."""
+    """`make_fx(fn, tracing_mode="fake")(*args)`, `args` holding the example `batch` (the same tensor
+    objects). Where the step branches on the batch's values it takes the example's branch, and `gm.meta[KEY]`
+    holds the guards that `check` tests later batches with (see the module docstring)."""
     leaves, spec = pytree.tree_flatten(args)
     ids = {id(x) for x in batch}
     positions = [k for k, x in enumerate(leaves) if id(x) in ids]  # make_fx makes a placeholder per leaf
@@ -110,13 +113,13 @@ def check(gm: fx.GraphModule, batch: Sequence[torch.Tensor], replicas: int = 1) 
         why = guards.failed([x[k * b:(k + 1) * b] for x in batch] if replicas > 1 else batch)
         if why:
             share = f"replica {k}'s share of " if replicas > 1 else ""
-            raise FasttError(f"{share}this batch takes another branch than the captured step: {why}; capture the "
-                             "step again with a batch like this one")
+            raise FasttError(f"{share}this batch takes another branch than the captured step: {why}; capture "
+                             "the step again with a batch like this one")
 
 
 def _distinct(leaves: list) -> list:
-    """The leaves with every repeat of a tensor (labels = input_ids) replaced by a copy: make_fx maps a tensor to
-    one proxy, so the graph would read the last placeholder of that tensor wherever any of them is used."""
+    """The leaves with every repeat of a tensor (labels = input_ids) replaced by a copy: make_fx maps a tensor
+    to one proxy, so the graph would read the last placeholder of that tensor wherever any of them is used."""
     seen: set[int] = set()
     out = []
     for x in leaves:
@@ -127,9 +130,9 @@ def _distinct(leaves: list) -> list:
 
 @contextlib.contextmanager
 def _real_values(leaves: Sequence) -> Iterator[None]:
-    """Fake tracing that also computes the real values, so a data-dependent condition takes the example's side.
-    The kernels run for real: random ones must not advance the caller's generators. torch logs each assumption
-    as a warning; `Guards` reports them when they matter."""
+    """Fake tracing that also computes the real values, so a data-dependent condition takes the example's
+    side. The kernels run for real: random ones must not advance the caller's generators. torch logs each
+    assumption as a warning; `Guards` reports them when they matter."""
     cuda = sorted({x.device.index or 0 for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda})
     log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = log.level
@@ -151,29 +154,33 @@ def _guards(gm: fx.GraphModule, positions: Sequence[int], batch: Sequence[torch.
     for n in _ancestors([out]):
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
-            raise FasttError(f"the step's shapes depend on the batch's values ({n.target} makes a tensor of shape "
-                             f"{tuple(val.shape)}): fastt needs every shape fixed by the batch's shapes")
+            raise FasttError(f"the step's shapes depend on the batch's values ({n.target} makes a tensor of "
+                             f"shape {tuple(val.shape)}): fastt needs every shape fixed by the batch's "
+                             "shapes")
     shape_env = detect_fake_mode([n.meta.get("val") for n in placeholders]).shape_env
     asserts = {str(a.expr): a for ras in shape_env.deferred_runtime_asserts.values() for a in ras}
     if not asserts:
         return None
     conditions = tuple(Condition(a.expr, _where(a.stack.summary())) for a in asserts.values())
-    binding = {s: (n, path) for n in gm.graph.nodes for s, path in n.meta.get("unbacked_bindings", {}).items()}
+    binding = {s: (n, path) for n in gm.graph.nodes
+               for s, path in n.meta.get("unbacked_bindings", {}).items()}
     symbols = sorted({s for c in conditions for s in c.holds.free_symbols}, key=str)
     nodes = list(dict.fromkeys(binding[s][0] for s in symbols))
     needed = _ancestors(nodes, stop=set(inputs))
     for c in conditions:
         reads = _ancestors([binding[s][0] for s in c.holds.free_symbols], stop=set(inputs))
         if any(n.op == "placeholder" and n not in inputs for n in reads):
-            raise FasttError(f"the step branches at {c.where} on a value computed from the model, not from the "
-                             "batch alone: fastt can take the example's branch only where the batch decides it")
+            raise FasttError(f"the step branches at {c.where} on a value computed from the model, not from "
+                             "the batch alone: fastt can take the example's branch only where the batch "
+                             "decides it")
     g = fx.Graph()
     env = {n: g.placeholder(n.name) for n in inputs}
     for n in gm.graph.nodes:
         if n in needed and n not in env:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n in nodes))
-    guards = Guards(fx.GraphModule(gm, g), tuple((s, nodes.index(binding[s][0]), binding[s][1]) for s in symbols),
+    guards = Guards(fx.GraphModule(gm, g),
+                    tuple((s, nodes.index(binding[s][0]), binding[s][1]) for s in symbols),
                     conditions, {})
     return dataclasses.replace(guards, example=guards.read(batch))
 

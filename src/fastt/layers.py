@@ -1,22 +1,23 @@
 """Layers: the ops of a captured step grouped by the parameters they serve, in forward order.
 
-Mixed plans (a layer held once, a stage of a pipeline, a table on its own device) are decisions per layer, and a
-plan is explained by its layers ("classifier.0 on device 0"). The captured graph carries no module names or
+Mixed plans (a layer held once, a stage of a pipeline, a table on its own device) are decisions per layer, and
+a plan is explained by its layers ("classifier.0 on device 0"). The captured graph carries no module names or
 forward/backward pairs (`make_fx` of `torch.func` records neither), so layers are found from its structure:
 
-- the forward ops are the loss's ancestors (the step's first output); what an update reads that the step computes
-  is its parameter's gradient;
+- the forward ops are the loss's ancestors (the step's first output); what an update reads that the step
+  computes is its parameter's gradient;
 - a parameter anchors its layer: the ops that read it (the forward op, the input-gradient op of the backward),
-  the op that makes its gradient and its update; parameters read by one forward op (a weight and its bias, or a
-  tied embedding and its decoder) are one layer;
+  the op that makes its gradient and its update; parameters read by one forward op (a weight and its bias, or
+  a tied embedding and its decoder) are one layer;
 - every other forward op joins the layer of its latest producer in forward order (an activation joins the
   matmul before it), or of its first consumer if it reads only the batch;
 - every other backward op joins the layer of the latest forward op it reads (the saved activation whose
   gradient it computes: a ReLU's backward reads the ReLU's output), else of its latest producer;
-- an op that writes a buffer in place (batch norm's statistics) brings the buffer, an update its state; a buffer
-  nothing in a layer writes (batch norm's step count) joins the layer of its module, with the ops that count it.
-Inputs, hyperparameters and ops that serve several layers' updates (a gradient clip's norm) are in no layer; in a
-graph built by hand, an op none of these reach joins the layer of the op before it.
+- an op that writes a buffer in place (batch norm's statistics) brings the buffer, an update its state; a
+  buffer nothing in a layer writes (batch norm's step count) joins the layer of its module, with the ops that
+  count it.
+Inputs, hyperparameters and ops that serve several layers' updates (a gradient clip's norm) are in no layer;
+in a graph built by hand, an op none of these reach joins the layer of the op before it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Layer:
 
 @dataclass(frozen=True)
 class Layers:
-    """The layers of a step, in forward order, each op's layer (`of[i]`, -1 for ops in no layer) and whether it
-    is a forward op (`forward[i]`: the loss or one of its ancestors)."""
+    """The layers of a step, in forward order, each op's layer (`of[i]`, -1 for ops in no layer) and whether
+    it is a forward op (`forward[i]`: the loss or one of its ancestors)."""
 
     layers: tuple[Layer, ...]
     of: tuple[int, ...]
@@ -79,7 +80,8 @@ def layers(graph: OpGraph) -> Layers:
         if op.kind == UPDATE and params:
             anchor[i] = find(params[0])
             for g in op.inputs:  # its gradient: what it reads that is computed in the step
-                if ops[g].kind not in RESIDENT and ops[g].kind not in (INPUT, UPDATE, ALLREDUCE) and anchor[g] < 0:
+                if (ops[g].kind not in RESIDENT and ops[g].kind not in (INPUT, UPDATE, ALLREDUCE)
+                        and anchor[g] < 0):
                     anchor[g] = anchor[i]
     _spread(graph, anchor, forward)
     return _collect(graph, anchor, forward)
@@ -90,7 +92,8 @@ def _forward(graph: OpGraph) -> list[int]:
     built by hand (no loss known)."""
     loss = _loss_op(graph)
     if loss is None:
-        return [i for i, op in enumerate(graph.ops) if op.kind not in RESIDENT and op.kind not in (INPUT, UPDATE)]
+        return [i for i, op in enumerate(graph.ops) if op.kind not in RESIDENT
+                and op.kind not in (INPUT, UPDATE)]
     seen = {loss}
     for i in range(loss, -1, -1):
         if i in seen:
@@ -157,7 +160,8 @@ def _spread(graph: OpGraph, anchor: list[int], forward: Sequence[int]) -> None:
             if held and (op.kind != UPDATE or len(set(held)) == 1):
                 anchor[i] = held[0]
     last = next((a for a in anchor if a >= 0), -1)
-    for i, op in enumerate(ops):  # anything else (an op nothing reads, in a graph built by hand): the layer before
+    # anything else (an op nothing reads, in a graph built by hand): the layer before
+    for i, op in enumerate(ops):
         if anchor[i] < 0 and op.kind == COMPUTE:
             anchor[i] = last
         last = anchor[i] if anchor[i] >= 0 else last
@@ -183,13 +187,15 @@ def _collect(graph: OpGraph, anchor: list[int], forward: Sequence[int]) -> Layer
 
 
 def _name(graph: OpGraph, params: Sequence[int]) -> str:
-    """The modules of the parameters: `classifier.0` for `param:classifier.0.weight` and `.bias`, joined by `+`
-    when one op reads parameters of several (a tied embedding and its decoder's bias)."""
-    modules = [graph.ops[p].name.removeprefix("param:").rpartition(".")[0] or graph.ops[p].name for p in params]
+    """The modules of the parameters: `classifier.0` for `param:classifier.0.weight` and `.bias`, joined by
+    `+` when one op reads parameters of several (a tied embedding and its decoder's bias)."""
+    modules = [graph.ops[p].name.removeprefix("param:").rpartition(".")[0] or graph.ops[p].name
+               for p in params]
     return "+".join(dict.fromkeys(modules))
 
 
-def where(graph: OpGraph, holders: Mapping[str, Sequence[int]], nodes: Sequence[int]) -> list[tuple[str, str]]:
+def where(graph: OpGraph, holders: Mapping[str, Sequence[int]],
+          nodes: Sequence[int]) -> list[tuple[str, str]]:
     """A plan in its own words: runs of consecutive layers held alike, as (`features.0 … features.28 (16
     layers)`, `every device`), from the plan's parameter holders and each device's node."""
     found = layers(graph)

@@ -1,21 +1,23 @@
-"""How a captured step's loss reduces over its batch, so that data-parallel replicas compute the whole batch's.
+"""How a captured step's loss reduces over its batch, so that data-parallel replicas compute the whole
+batch's.
 
-Replica k of n computes the loss L_k of its share of the batch. Averaging the L_k (and their gradients) gives the
-whole batch's loss only for a mean with equal shares: for a sum it is n times too small, and for a mean over a
-count that differs between shares (tokens not labelled -100) it weighs the shares wrongly. So the step takes a
-`weight` input that scales its loss's gradient, and replica k runs with s_k such that the mean over replicas of
-s_k * L_k is the whole batch's loss:
+Replica k of n computes the loss L_k of its share of the batch. Averaging the L_k (and their gradients) gives
+the whole batch's loss only for a mean with equal shares: for a sum it is n times too small, and for a mean
+over a count that differs between shares (tokens not labelled -100) it weighs the shares wrongly. So the step
+takes a `weight` input that scales its loss's gradient, and replica k runs with s_k such that the mean over
+replicas of s_k * L_k is the whole batch's loss:
 
     sum:    L = sum_k L_k                      s_k = n
     mean:   L = mean over items, equal shares  s_k = 1
-    ratio:  L = sum_k S_k / sum_k C_k          s_k = n * C_k / sum_j C_j   (L_k = S_k / C_k; C_k from the batch)
+    ratio:  L = sum_k S_k / sum_k C_k          s_k = n * C_k / sum_j C_j  (L_k = S_k/C_k, C_k from the batch)
 
 times the ratio of the loss's constant factor at the whole batch to the replica's (`loss.sum() / x.shape[0]`
 divides by the batch: a sum at one batch size, a mean across them). `reduction_of` reads the kind from the
-captured graph: the op that reduces the loss to a scalar (mean, sum, a loss op's `reduction`, nll_loss's count of
-counted targets), through constant factors, divisions by a count computed from the batch alone, and terms that do
-not depend on the batch (a weight penalty). Anything else is `unknown`, and data parallelism refuses it rather than
-train with another loss. Batch statistics (batch norm per replica) are the one documented exception, as in DDP.
+captured graph: the op that reduces the loss to a scalar (mean, sum, a loss op's `reduction`, nll_loss's count
+of counted targets), through constant factors, divisions by a count computed from the batch alone, and terms
+that do not depend on the batch (a weight penalty). Anything else is `unknown`, and data parallelism refuses
+it rather than train with another loss. Batch statistics (batch norm per replica) are the one documented
+exception, as in DDP.
 """
 
 from __future__ import annotations
@@ -35,15 +37,16 @@ SUM, MEAN, RATIO, UNKNOWN = "sum", "mean", "ratio", "unknown"
 _NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _SCALE = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default)
 _ADD = (aten.add.Tensor, aten.sub.Tensor)
-_SAME = (aten._to_copy.default, aten.clone.default, aten.view.default, aten.reshape.default, aten.squeeze.default,
+_SAME = (aten._to_copy.default, aten.clone.default, aten.view.default, aten.reshape.default,
+         aten.squeeze.default,
          aten.alias.default, aten.detach.default)  # the loss as it was
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How one captured step's loss reduces over its batch (see the module docstring). `factor`: the constant the
-    reduced value is multiplied by; `items`: for a sum or mean, the elements it reduces; `count(*batch)`: for a
-    ratio, the count of a batch (share); `why`: what was found, for messages."""
+    """How one captured step's loss reduces over its batch (see the module docstring). `factor`: the constant
+    the reduced value is multiplied by; `items`: for a sum or mean, the elements it reduces; `count(*batch)`:
+    for a ratio, the count of a batch (share); `why`: what was found, for messages."""
 
     kind: str
     factor: float = 1.0
@@ -62,16 +65,18 @@ class ReplicaWeights:
 
     @property
     def counts(self) -> bool:
-        """Whether the weights depend on what each share counts (a ratio), not only on the number of replicas."""
+        """Whether the weights depend on what each share counts (a ratio), not only on the number of
+        replicas."""
         return self.kind == RATIO
 
     def of(self, shares: Sequence[Sequence[torch.Tensor]]) -> list[float]:
         n = len(shares)
-        return self.weighed([float(self.count(*share)) for share in shares] if self.counts and n > 1 else [0.0] * n)
+        return self.weighed([float(self.count(*share)) for share in shares] if self.counts and n > 1
+                            else [0.0] * n)
 
     def weighed(self, counts: Sequence[float]) -> list[float]:
-        """s_k from each replica's count (`count(*share)`, read for a ratio only): a distributed rank counts its
-        own shares and the ranks gather the counts."""
+        """s_k from each replica's count (`count(*share)`, read for a ratio only): a distributed rank counts
+        its own shares and the ranks gather the counts."""
         n = len(counts)
         if self.kind == SUM:
             return [n * self.scale] * n
@@ -80,8 +85,9 @@ class ReplicaWeights:
         total = sum(counts)
         if not all(c > 0 for c in counts):
             k = next(i for i, c in enumerate(counts) if not c > 0)
-            raise FasttError(f"replica {k}'s share of the batch has nothing the loss counts (count {counts[k]}): "
-                             "data parallelism cannot weigh it; use a larger batch or a plan without replicas")
+            raise FasttError(f"replica {k}'s share of the batch has nothing the loss counts (count "
+                             f"{counts[k]}): data parallelism cannot weigh it; use a larger batch or a plan "
+                             "without replicas")
         return [n * c / total * self.scale for c in counts]
 
 
@@ -96,12 +102,14 @@ def replica_weights(whole: Reduction | None, share: Reduction | None, n: int) ->
     for r in (whole, share):
         if r is None or r.kind == UNKNOWN:
             why = r.why if r is not None else "the graph was not captured from a loss_fn"
-            raise FasttError(f"fastt cannot tell how loss_fn reduces over the batch ({why}), so data parallelism "
-                             "could train with another loss: reduce the loss with a mean, a sum or a masked mean "
-                             "over the batch, or use a plan without replicas (planner single or dpos)")
+            raise FasttError(f"fastt cannot tell how loss_fn reduces over the batch ({why}), so data "
+                             "parallelism could train with another loss: reduce the loss with a mean, a sum "
+                             "or a masked mean over the batch, or use a plan without replicas (planner "
+                             "single or dpos)")
     if whole.kind != share.kind or whole.kind != RATIO and whole.items != n * share.items:
-        raise FasttError(f"loss_fn reduces the whole batch as {whole.why} but a 1/{n} share as {share.why}: data "
-                         "parallelism would change the loss; use a plan without replicas (planner single or dpos)")
+        raise FasttError(f"loss_fn reduces the whole batch as {whole.why} but a 1/{n} share as {share.why}: "
+                         "data parallelism would change the loss; use a plan without replicas (planner "
+                         "single or dpos)")
     return ReplicaWeights(whole.kind, whole.factor / share.factor, share.count)
 
 
@@ -151,8 +159,8 @@ class _Walk:
         return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
     def count_fn(self, outs: Sequence[object], finish: Callable) -> Callable[..., torch.Tensor]:
-        """A function of a batch computing `finish(*outs)`, `outs` being nodes of the batch alone (copied out of
-        the step) or constants."""
+        """A function of a batch computing `finish(*outs)`, `outs` being nodes of the batch alone (copied out
+        of the step) or constants."""
         g = fx.Graph()
         env = {n: g.placeholder(n.name) for n in self.inputs}
         needed: set[fx.Node] = set()
@@ -187,7 +195,8 @@ class _Walk:
             return self.scaled(n)
         if t in _ADD:
             return self.added(n)
-        if t in (aten.mean.default, aten.mean.dim, aten.sum.default, aten.sum.dim_IntList) and _reduces_all(n):
+        whole = (aten.mean.default, aten.mean.dim, aten.sum.default, aten.sum.dim_IntList)
+        if t in whole and _reduces_all(n):
             kind = MEAN if t in (aten.mean.default, aten.mean.dim) else SUM
             return Reduction(kind, items=_numel(n.args[0]), why=f"a {kind} of {_numel(n.args[0])} elements")
         if t is operator.getitem and n.args[1] == 0 and getattr(n.args[0], "target", None) in _NLL:
@@ -195,7 +204,8 @@ class _Walk:
         r = _reduction_arg(n)
         if r in (1, 2):
             kind = MEAN if r == 1 else SUM
-            return Reduction(kind, items=_numel(n.args[0]), why=f"{t.__name__}'s {kind} of {_numel(n.args[0])} elements")
+            return Reduction(kind, items=_numel(n.args[0]),
+                             why=f"{t.__name__}'s {kind} of {_numel(n.args[0])} elements")
         return Reduction(UNKNOWN, why=f"the loss comes from {getattr(t, '__name__', t)}")
 
     def scaled(self, n: fx.Node) -> Reduction:
@@ -212,13 +222,16 @@ class _Walk:
                     return Reduction(UNKNOWN, why="the loss is scaled by a tensor constant")
                 r = self.reduce(x)
                 f = r.factor / c if divide else r.factor * c
-                return Reduction(r.kind, f, r.items, r.count, r.why) if c else Reduction(UNKNOWN, why="scaled by 0")
+                if not c:
+                    return Reduction(UNKNOWN, why="scaled by 0")
+                return Reduction(r.kind, f, r.items, r.count, r.why)
         if divide and isinstance(b, fx.Node) and self.depends[b] == {"batch"}:
             r = self.reduce(a)
             if r.kind == SUM:
                 count = self.count_fn([b], lambda c: c.sum())
                 return Reduction(RATIO, r.factor, count=count, why=f"{r.why} over a count of the batch")
-        return Reduction(UNKNOWN, why=f"the loss is a {n.target.__name__} of two values that depend on the batch")
+        why = f"the loss is a {n.target.__name__} of two values that depend on the batch"
+        return Reduction(UNKNOWN, why=why)
 
     def added(self, n: fx.Node) -> Reduction:
         """A reduction plus a term of the model alone (a penalty), or two reductions of one kind."""
@@ -226,7 +239,8 @@ class _Walk:
         terms = [x for x in (a, b) if isinstance(x, fx.Node) and "batch" in self.depends[x]]
         if len(terms) == 1:
             r = self.reduce(terms[0])
-            # The replicas' weights average to one for a mean or a ratio, so a term without the batch stays whole.
+            # The replicas' weights average to one for a mean or a ratio, so a term without the batch stays
+            # whole.
             if r.kind in (MEAN, RATIO) and math.isclose(r.factor, 1.0):
                 return r
             return Reduction(UNKNOWN, why=f"{r.why} plus a term that does not depend on the batch")

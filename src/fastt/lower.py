@@ -1,10 +1,10 @@
 """Lowering: a Strategy on a captured step -> one program per device, its tasks in the strategy's order.
 
-A task runs the fx nodes of one placed op for one replica: all of the op's aten calls, or one part of a split op
-(`split.run_part` on the head node), or the join of a split op's parts followed by the alias nodes that read it.
-Allreduces are not placed: the runtime runs each once, for the first task that needs it. Resident tensors and
-inputs are placeholders of the captured step, bound before the step runs; its constants (get_attr nodes) are read
-into every replica's table before the step, as every device has them.
+A task runs the fx nodes of one placed op for one replica: all of the op's aten calls, or one part of a split
+op (`split.run_part` on the head node), or the join of a split op's parts followed by the alias nodes that
+read it. Allreduces are not placed: the runtime runs each once, for the first task that needs it. Resident
+tensors and inputs are placeholders of the captured step, bound before the step runs; its constants (get_attr
+nodes) are read into every replica's table before the step, as every device has them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ RUN, PART, JOIN = "run", "part", "join"
 
 @dataclass(frozen=True)
 class Task:
-    """One op of the plan for one replica. `waits`: ops (by index) whose results it reads, allreduces included."""
+    """One op of the plan for one replica. `waits`: ops (by index) whose results it reads, allreduces
+    included."""
 
     op: int
     name: str
@@ -45,19 +46,22 @@ class Lowered:
     replicas: int
     programs: tuple[tuple[Task, ...], ...]
     allreduces: dict[int, tuple[str, ...]]
-    prelude: tuple[str, ...] = ()  # constants, alias nodes of residents and inputs (views of a parameter): run first
+    # constants, alias nodes of residents and inputs (views of a parameter): run first
+    prelude: tuple[str, ...] = ()
     weights: ReplicaWeights = ONE  # each replica's loss weight (`fastt.loss`)
 
 
 def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
     op = g.ops[i]
-    waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT and g.ops[j].kind != INPUT)
+    waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT
+                  and g.ops[j].kind != INPUT)
     r = replica_of(op.name)
     if op.split:
         return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits)
     if op.target.startswith("join:"):
         head = g.ops[op.inputs[0]].head
-        return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head, waits=waits)
+        return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head,
+                    waits=waits)
     return Task(i, op.name, RUN, r, tuple(n for n in op.nodes if n in call_nodes), waits=waits)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fastt.graph import ALLREDUCE, COMPUTE, INPUT, UPDATE, OpGraph
-from fastt.simulate import Collective, Timeline
+from fastt.links import Collective
+from fastt.simulate import Timeline
 
 DEVICES_PID, LINKS_PID = 0, 1
 # Colors by op kind for the Gantt chart; transfers and allreduces are drawn on link rows.
@@ -38,7 +39,8 @@ def chrome_trace(timeline: Timeline, g: OpGraph) -> dict[str, Any]:
                        "args": {"target": op.target, "out_bytes": op.out_bytes}})
     for t in timeline.transfers:
         name = f"{g.ops[t.op].name} {t.src}->{t.dst}"
-        events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k, "ts": t.start * us,
+        events += [{"name": name, "cat": "transfer", "ph": "X", "pid": LINKS_PID, "tid": k,
+                    "ts": t.start * us,
                     "dur": (t.end - t.start) * us, "args": {"bytes": t.nbytes}} for k in t.links]
     for c in timeline.collectives:
         events += [{"name": collective_name(g, c), "cat": ALLREDUCE, "ph": "X", "pid": LINKS_PID, "tid": k,
@@ -94,7 +96,8 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "µs", 1e6
 
 
-def _gantt_rows(timeline: Timeline, g: OpGraph, ms: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
+def _gantt_rows(timeline: Timeline, g: OpGraph,
+                ms: float) -> list[tuple[str, list[tuple[float, float, str, str]]]]:
     """(row label, [(start, width, kind, name)]) for every device, then every link that carried something.
 
     Times are seconds times `ms`, the chart's scale.
@@ -126,12 +129,14 @@ def _placed(timeline: Timeline) -> list[int]:
 
 
 def format_run(out: dict) -> str:
-    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner, the
-    time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism kept."""
+    """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner,
+    the time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism
+    kept."""
     lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
              "(median step time after the first)")]
     for r in out["results"]:
-        sim = f"{r['simulated_iteration_s'] * 1e3:9.1f}" if r["simulated_iteration_s"] is not None else "        -"
+        simulated = r["simulated_iteration_s"]
+        sim = f"{simulated * 1e3:9.1f}" if simulated is not None else "        -"
         err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
         setup = f"  setup {r['setup_s']:.1f} s" if r.get("setup_s") is not None else ""
         lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "

@@ -1,10 +1,10 @@
 """Operation splitting (OS-DPOS): how each aten op splits, running a split exactly, and the graph pass.
 
 `RULES` is the table: for each aten op, the named dimensions it splits along, each a `SplitSpec` saying which
-dim of each positional argument is sliced, and how each output is joined (concatenated, or summed when the split
-dim is reduced, as a weight gradient split along the batch is). `run_split` executes a rule on real tensors (what
-the runtime runs); `split` rewrites an OpGraph so that one op becomes `parts` sub-ops and a join; `graph_for` replays a Strategy's
-replication and splits.
+dim of each positional argument is sliced, and how each output is joined (concatenated, or summed when the
+split dim is reduced, as a weight gradient split along the batch is). `run_split` executes a rule on real
+tensors (what the runtime runs); `split` rewrites an OpGraph so that one op becomes `parts` sub-ops and a
+join; `graph_for` replays a Strategy's replication and splits.
 
 Batch norm in training mode is split along channels only: its statistics are taken over the batch, so parts of
 the batch would normalise with different means. `nll_loss_forward` with reduction="mean" (what cross-entropy
@@ -46,11 +46,11 @@ Valid = Callable[[Sequence[Any], dict[str, Any]], bool]
 class SplitSpec:
     """How one aten op splits along one named dimension.
 
-    `args[k]`: the dim positional arg k is sliced along, a `Bcast`, or None (every part gets it whole; args past
-    the end and non-tensor args are whole too). `outs[k]`: ("cat", dim) or ("sum",) for output k.
+    `args[k]`: the dim positional arg k is sliced along, a `Bcast`, or None (every part gets it whole; args
+    past the end and non-tensor args are whole too). `outs[k]`: ("cat", dim) or ("sum",) for output k.
     `sizes`: (arg position, list index) entries set to the part's length (convolution_backward's bias_sizes).
-    `later`: keyword args set on every part but the first (a bias added once: beta=0).
-    `valid(args, kwargs)`: whether the split is exact for these arguments (real or fake tensors).
+    `later`: keyword args set on every part but the first (a bias added once: beta=0). `valid(args, kwargs)`:
+    whether the split is exact for these arguments (real or fake tensors).
     """
 
     args: tuple[ArgDim, ...]
@@ -120,7 +120,8 @@ def _layer_norm_ok(d: int, shape_arg: int, data_arg: int) -> Valid:
 
 
 def _matmul(bias: bool, batched: bool) -> dict[str, SplitSpec]:
-    """mm / addmm / bmm / baddbmm: (b)atch, rows of the left matrix, cols of the right, or the reduction dim."""
+    """mm / addmm / bmm / baddbmm: (b)atch, rows of the left matrix, cols of the right, or the reduction
+    dim."""
     o = 1 if batched else 0  # offset of the matrix dims
 
     def spec(bias_dim: ArgDim, left: ArgDim, right: ArgDim, out: tuple, **kw: Any) -> SplitSpec:
@@ -161,9 +162,11 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     **{op: _elementwise() for op in (
         aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default,
         aten.exp.default, aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sin.default,
-        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
+        aten.div.Tensor,
         aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar,
-        aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
+        aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default,
+        aten.silu_backward.default,
         aten.sigmoid_backward.default, aten.tanh_backward.default)},
     aten._softmax.default: _rowwise((0,), 1),
     aten._log_softmax.default: _rowwise((0,), 1),
@@ -171,7 +174,8 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     aten._softmax_backward_data.default: _rowwise((0, 1), 2),
     aten._log_softmax_backward_data.default: _rowwise((0, 1), 2),
     aten.native_layer_norm.default: {
-        name: SplitSpec(args=(d,), outs=(("cat", d),) * 3, valid=_layer_norm_ok(d, 1, 0)) for name, d in _DIMS},
+        name: SplitSpec(args=(d,), outs=(("cat", d),) * 3, valid=_layer_norm_ok(d, 1, 0))
+        for name, d in _DIMS},
     aten.native_layer_norm_backward.default: {
         name: SplitSpec(args=(d, d, None, d, d), outs=(("cat", d), ("sum",), ("sum",)),
                         valid=_layer_norm_ok(d, 2, 1)) for name, d in _DIMS},
@@ -190,7 +194,8 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     aten.max_pool2d_with_indices_backward.default: _pool((0, 1, 7), 1),
     aten.avg_pool2d.default: _pool((0,), 1),
     aten.avg_pool2d_backward.default: _pool((0, 1), 1),
-    aten.mean.dim: {name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
+    aten.mean.dim: {name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d))
+                    for name, d in _DIMS},
     aten.sum.dim_IntList: {
         **{name: SplitSpec(args=(d,), outs=(("cat", d),), valid=_before_reduced(d)) for name, d in _DIMS},
         # A bias gradient: the batch dim is summed away, so the parts' sums add up.
@@ -209,7 +214,8 @@ _BY_NAME = {str(op): op for op in RULES}
 
 
 def rule(target: Any, dim: str) -> SplitSpec:
-    """The SplitSpec of aten op `target` (an OpOverload or its name) along `dim`; FasttError if there is none."""
+    """The SplitSpec of aten op `target` (an OpOverload or its name) along `dim`; FasttError if there is
+    none."""
     rules = RULES.get(_BY_NAME.get(target, target) if isinstance(target, str) else target)
     if rules is None:
         raise FasttError(f"{target} has no split rule: only ops in fastt.split.RULES can be split")
@@ -249,7 +255,8 @@ def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, d
     return join(rule(target, dim), [run_part(target, args, kwargs, dim, k, parts) for k in range(parts)])
 
 
-def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int, parts: int) -> Any:
+def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int,
+             parts: int) -> Any:
     """Part k of `parts` of aten op `target` split along `dim`, on real tensors (what sub-op `op#k` runs)."""
     kwargs = dict(kwargs or {})
     spec = rule(target, dim)
@@ -258,9 +265,11 @@ def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, di
         raise FasttError(f"{target} cannot be split into {parts} parts along '{dim}' for these arguments "
                          f"(length {size}; 0 means the rule does not apply)")
     dims = slice_dims(spec, args)
-    # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's backward
-    # among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates land.
-    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a for a, d in zip(args, dims)]
+    # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's
+    # backward among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates
+    # land.
+    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a
+                 for a, d in zip(args, dims)]
     length = len(torch.tensor_split(torch.arange(size), parts)[k])
     for pos, idx in spec.sizes:
         if part_args[pos] is not None:
@@ -291,7 +300,8 @@ def join(spec: SplitSpec, outs: Sequence[Any]) -> Any:
     return joined[0] if single else tuple(joined)
 
 
-# ---- the graph pass ------------------------------------------------------------------------------------------
+# ---- the graph pass
+# ------------------------------------------------------------------------------------------
 
 _NODES: weakref.WeakKeyDictionary[GraphModule, dict[str, Node]] = weakref.WeakKeyDictionary()
 
@@ -348,7 +358,8 @@ def max_parts(op: Op, graph: OpGraph, dim: str) -> int | None:
 
 @dataclass(frozen=True)
 class _Layout:
-    """What the pass needs from the op's shapes: per part its share of the work, per input and output its bytes."""
+    """What the pass needs from the op's shapes: per part its share of the work, per input and output its
+    bytes."""
 
     shares: tuple[float, ...]
     in_bytes: tuple[tuple[int, ...], ...]  # [part][input]
@@ -410,7 +421,8 @@ def _layout_by_bytes(op: Op, spec: SplitSpec, parts: int) -> _Layout:
 
 
 def _shifted(op: Op, at: int, parts: int) -> Op:
-    """`op` (after position `at`) with its indices moved past the `parts` new ops; reads of `at` go to the join."""
+    """`op` (after position `at`) with its indices moved past the `parts` new ops; reads of `at` go to the
+    join."""
     if all(j < at for j in op.inputs) and all(u < at for u in op.updates):
         return op
 
@@ -420,7 +432,8 @@ def _shifted(op: Op, at: int, parts: int) -> Op:
 
 
 def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
-    """The graph with op `op` split into `parts` sub-ops `op#k` along `dim`, joined by `op#join` for its readers.
+    """The graph with op `op` split into `parts` sub-ops `op#k` along `dim`, joined by `op#join` for its
+    readers.
 
     Sub-ops keep the op's target and head and record `split = (dim, k, parts)`; their FLOPs and bytes are the
     op's scaled by their share (a summed output stays whole). Runs in O(ops).
@@ -435,14 +448,15 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     rules = RULES.get(_BY_NAME.get(o.target), {})
     if dim not in rules:
         raise FasttError(f"op '{op}' ({o.target}) cannot be split along '{dim}': "
-                         + (f"it splits along {sorted(rules)}" if rules else "only ops in fastt.split.RULES split"))
+                         + (f"it splits along {sorted(rules)}" if rules
+                            else "only ops in fastt.split.RULES split"))
     spec = rules[dim]
     if not isinstance(parts, int) or parts < 2:
         raise FasttError(f"op '{op}' cannot be split into {parts} parts: use 2 or more")
     lay = _layout(graph, o, dim, parts)
     subs = tuple(replace(o, name=f"{op}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
-                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,), signature="",
-                         split=(dim, k, parts)) for k in range(parts))
+                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,),
+                         signature="", split=(dim, k, parts)) for k in range(parts))
     kinds = {h[0] for h in spec.outs}
     join_op = Op(name=f"{op}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
                  inputs=tuple(range(at, at + parts)), in_bytes=lay.out_bytes, out_bytes=o.out_bytes,
@@ -454,8 +468,8 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
 
 
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less the
-    duplicate updates it leaves out (`graph.duplicate_updates`)."""
+    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less
+    the duplicate updates it leaves out (`graph.duplicate_updates`)."""
     g = data_parallel_graph(graph, strategy.replicas)
     for s in strategy.splits:
         g = split(g, s.op, s.dim, s.parts)

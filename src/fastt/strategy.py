@@ -1,9 +1,10 @@
-"""Strategy: what a planner decides — op splits, the device of each op, each device's order, parameter holders.
+"""Strategy: what a planner decides — op splits, the device of each op, each device's order, parameter
+holders.
 
-A Strategy names ops, not indices, so that it survives re-capturing the graph and reads well as JSON. It applies to
-the graph it was planned on: with `replicas > 1` that is `replicate(step at batch/replicas, replicas)`.
-`validate(graph)` checks everything the simulator and the runtime rely on, in O(ops + edges), and says what is
-wrong in one line.
+A Strategy names ops, not indices, so that it survives re-capturing the graph and reads well as JSON. It
+applies to the graph it was planned on: with `replicas > 1` that is `replicate(step at batch/replicas,
+replicas)`. `validate(graph)` checks everything the simulator and the runtime rely on, in O(ops + edges), and
+says what is wrong in one line.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class Split:
 class Strategy:
     """A plan for one training step on `n_devices` devices.
 
-    `placement` maps every op that is neither RESIDENT nor ALLREDUCE to its device; `order[d]` lists exactly the
-    ops placed on device d in the order it runs them; `holders` maps every RESIDENT op (parameter, optimizer
-    state, buffer) to the devices that keep a copy across iterations. Allreduces are not placed: they run on the
-    devices of their inputs.
+    `placement` maps every op that is neither RESIDENT nor ALLREDUCE to its device; `order[d]` lists exactly
+    the ops placed on device d in the order it runs them; `holders` maps every RESIDENT op (parameter,
+    optimizer state, buffer) to the devices that keep a copy across iterations. Allreduces are not placed:
+    they run on the devices of their inputs.
     """
 
     planner: str
@@ -121,24 +122,27 @@ class Strategy:
         _check_acyclic(g, dev, pos, self.order)
 
     def _devices(self, g: OpGraph) -> list[int]:
-        """Device of each op (-1 for residents and allreduces), checking placement covers exactly the placed ops."""
+        """Device of each op (-1 for residents and allreduces), checking placement covers exactly the placed
+        ops."""
         dev = [-1] * len(g.ops)
         for name, d in self.placement.items():
             i = _lookup(g, name, "placement")
             kind = g.ops[i].kind
             if kind in RESIDENT or kind == ALLREDUCE:
                 raise FasttError(f"placement lists '{name}', a {kind} op: "
-                                 + ("residents go in holders" if kind in RESIDENT else "allreduces are not placed"))
+                                 + ("residents go in holders" if kind in RESIDENT
+                                    else "allreduces are not placed"))
             self._in_range(d, f"placement of '{name}'")
             dev[i] = d
         for i, op in enumerate(g.ops):
             if dev[i] < 0 and op.kind not in RESIDENT and op.kind != ALLREDUCE:
-                raise FasttError(f"op '{op.name}' is missing from placement; every non-resident op needs a device")
+                raise FasttError(f"op '{op.name}' is missing from placement; every non-resident op needs a "
+                                 "device")
             if op.kind == ALLREDUCE:
                 for j in op.inputs:
                     if dev[j] < 0:
-                        raise FasttError(f"allreduce '{op.name}' reads '{g.ops[j].name}', which is not placed "
-                                         "on a device; an allreduce aggregates placed ops")
+                        raise FasttError(f"allreduce '{op.name}' reads '{g.ops[j].name}', which is not "
+                                         "placed on a device; an allreduce aggregates placed ops")
         return dev
 
     def _holders(self, g: OpGraph) -> dict[int, tuple[int, ...]]:
@@ -154,27 +158,30 @@ class Strategy:
             out[i] = tuple(sorted(set(devs)))
         for i in g.residents:
             if not out.get(i):
-                raise FasttError(f"resident '{g.ops[i].name}' is missing from holders; give it at least one device")
+                raise FasttError(f"resident '{g.ops[i].name}' is missing from holders; give it at least one "
+                                 "device")
         return out
 
     def _positions(self, g: OpGraph, dev: list[int]) -> list[int]:
         """Index of each placed op in its device's order, checking order[d] is exactly the ops placed on d."""
         if len(self.order) != self.n_devices:
-            raise FasttError(f"order has {len(self.order)} device lists but the strategy has {self.n_devices} "
-                             "devices; give one list per device")
+            raise FasttError(f"order has {len(self.order)} device lists but the strategy has "
+                             f"{self.n_devices} devices; give one list per device")
         pos = [-1] * len(g.ops)
         for d, names in enumerate(self.order):
             for k, name in enumerate(names):
                 i = _lookup(g, name, f"order on device {d}")
                 if dev[i] != d:
-                    where = f"placed on device {dev[i]}" if dev[i] >= 0 else f"a {g.ops[i].kind} op, not placed"
+                    where = (f"placed on device {dev[i]}" if dev[i] >= 0
+                             else f"a {g.ops[i].kind} op, not placed")
                     raise FasttError(f"order on device {d} lists '{name}', which is {where}")
                 if pos[i] >= 0:
                     raise FasttError(f"order on device {d} lists '{name}' twice")
                 pos[i] = k
         for i, d in enumerate(dev):
             if d >= 0 and pos[i] < 0:
-                raise FasttError(f"op '{g.ops[i].name}' is placed on device {d} but missing from order on device {d}")
+                raise FasttError(f"op '{g.ops[i].name}' is placed on device {d} but missing from order on "
+                                 f"device {d}")
         return pos
 
     def _in_range(self, d: object, what: str) -> None:
@@ -183,22 +190,24 @@ class Strategy:
 
 
 def _check_updates(g: OpGraph, dev: list[int], holders: dict[int, tuple[int, ...]]) -> None:
-    """Every update runs on a holder of what it updates, and every holder of an updated resident updates it."""
+    """Every update runs on a holder of what it updates, and every holder of an updated resident updates
+    it."""
     updated_on: dict[int, set[int]] = {}
     for i, op in enumerate(g.ops):
         for u in op.updates:
             if u not in holders:
                 continue
             if dev[i] not in holders[u]:
-                raise FasttError(f"update '{op.name}' on device {dev[i]} writes '{g.ops[u].name}', but device "
-                                 f"{dev[i]} does not hold it (holders: {list(holders[u])}); place the update on "
-                                 "a holder")
+                raise FasttError(f"update '{op.name}' on device {dev[i]} writes '{g.ops[u].name}', but "
+                                 f"device {dev[i]} does not hold it (holders: {list(holders[u])}); place the "
+                                 "update on a holder")
             updated_on.setdefault(u, set()).add(dev[i])
     for u, devs in updated_on.items():
         for h in holders[u]:
             if h not in devs:
-                raise FasttError(f"device {h} holds '{g.ops[u].name}' but runs no update of it, so its copy would "
-                                 f"go stale; place an update of it on device {h} or drop {h} from its holders")
+                raise FasttError(f"device {h} holds '{g.ops[u].name}' but runs no update of it, so its copy "
+                                 f"would go stale; place an update of it on device {h} or drop {h} from its "
+                                 "holders")
 
 
 def _check_acyclic(g: OpGraph, dev: list[int], pos: list[int], order: tuple[tuple[str, ...], ...]) -> None:
@@ -231,7 +240,8 @@ def _check_acyclic(g: OpGraph, dev: list[int], pos: list[int], order: tuple[tupl
         raise FasttError(_cycle_message(g, dev, preds, prv, indeg))
 
 
-def _cycle_message(g: OpGraph, dev: list[int], preds: list[list[int]], prv: list[int], indeg: list[int]) -> str:
+def _cycle_message(g: OpGraph, dev: list[int], preds: list[list[int]], prv: list[int],
+                   indeg: list[int]) -> str:
     """Describe one cycle among the ops Kahn's algorithm could not release (each has a stuck predecessor)."""
     start = next(i for i, k in enumerate(indeg) if k > 0)
     seen: dict[int, int] = {}
@@ -247,8 +257,9 @@ def _cycle_message(g: OpGraph, dev: list[int], preds: list[list[int]], prv: list
     for a, b in pairwise(cycle):
         how = f"order on device {dev[a]}" if a == prv[b] else "data"
         steps.append(f"'{g.ops[a].name}' -({how})-> ")
-    return ("the per-device orders contradict the dependencies, so the devices would wait on each other forever: "
-            + "".join(steps) + f"'{g.ops[cycle[0]].name}'; reorder so that every op runs after its inputs")
+    return ("the per-device orders contradict the dependencies, so the devices would wait on each other "
+            "forever: " + "".join(steps)
+            + f"'{g.ops[cycle[0]].name}'; reorder so that every op runs after its inputs")
 
 
 def _lookup(g: OpGraph, name: str, where: str) -> int:

@@ -25,7 +25,8 @@ def check_models(specs: Sequence[str]) -> None:
             if not Path(spec.rsplit(":", 1)[0]).is_file():
                 raise FasttError(f"model file {spec.rsplit(':', 1)[0]} not found")
         elif spec not in NAMES:
-            raise FasttError(f"unknown model '{spec}': use a zoo model ({', '.join(NAMES)}) or path/to/file.py:function")
+            raise FasttError(f"unknown model '{spec}': use a zoo model ({', '.join(NAMES)}) or "
+                             "path/to/file.py:function")
 
 
 def model_name(spec: str) -> str:

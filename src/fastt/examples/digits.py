@@ -1,10 +1,10 @@
 """Train a small CNN on scikit-learn's handwritten digits with fastt, as a user's training loop does: an LR
-schedule (OneCycleLR: warm-up, then cosine annealing), gradient clipping, a progress bar with the loss and the step
-time, a checkpoint to resume from, the test accuracy, and a loss-curve PNG.
+schedule (OneCycleLR: warm-up, then cosine annealing), gradient clipping, a progress bar with the loss and the
+step time, a checkpoint to resume from, the test accuracy, and a loss-curve PNG.
 
     python examples/digits.py                       # cpu:2, the fastt planner; reaches >= 95% test accuracy
     python examples/digits.py --small               # a few epochs (what `fastt demo` runs)
-    python -m torch.distributed.run --nproc-per-node 2 examples/digits.py --distributed   # a process per device
+    python -m torch.distributed.run --nproc-per-node 2 examples/digits.py --distributed  # a rank per device
 
 Needs scikit-learn (`pip install -e '.[examples]'`). From Python: `fastt.examples.digits.main(["--small"])`
 returns the result as a dict.
@@ -35,7 +35,8 @@ class DigitsCNN(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1),
+        self.features = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                                      nn.Conv2d(32, 64, 3, padding=1),
                                       nn.ReLU(), nn.MaxPool2d(2))
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
 
@@ -174,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     model = DigitsCNN()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=1e-4)
     per_epoch = len(x_train) // a.batch
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=epochs * per_epoch, pct_start=0.2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=epochs * per_epoch,
+                                                pct_start=0.2)
     t = Training(model, opt, sched, torch.Generator().manual_seed(0))
     strategy = t.resume(a.checkpoint) if a.checkpoint and os.path.exists(a.checkpoint) else None
     example, loss_fn = (x_train[:a.batch], y_train[:a.batch]), nn.functional.cross_entropy
@@ -186,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     else:
         from ..runtime import parallelize
 
-        step = parallelize(model, loss_fn, opt, example, a.devices, a.planner, strategy=strategy, clip_grad_norm=1.0)
+        step = parallelize(model, loss_fn, opt, example, a.devices, a.planner, strategy=strategy,
+                           clip_grad_norm=1.0)
     ready = time.perf_counter()
     train(step, t, x_train, y_train, a, epochs, rank)
     result = None
@@ -196,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                   "last_epoch_loss": sum(t.losses[-per_epoch:]) / per_epoch, "planner": step.strategy.planner,
                   "replicas": step.strategy.replicas, "splits": len(step.strategy.splits),
                   "devices": "torchrun" if a.distributed else a.devices, "setup_s": ready - t0,
-                  "train_s": time.perf_counter() - ready, "wall_s": time.perf_counter() - t0, "plot": a.plot or None}
+                  "train_s": time.perf_counter() - ready, "wall_s": time.perf_counter() - t0,
+                  "plot": a.plot or None}
         report(result, t.losses, per_epoch, a)
     if a.distributed:
         dist.barrier()
@@ -210,8 +214,8 @@ def report(result: dict, losses: list[float], per_epoch: int, a: argparse.Namesp
     if a.plot:
         plot(losses, per_epoch, a.plot, f"digits on {result['devices']}, planner {a.planner}: {acc}")
     print(json.dumps(result) if a.json else
-          f"digits: {acc} after {result['epochs']} epochs ({result['steps']} steps, {result['wall_s']:.1f} s, "
-          f"{result['setup_s']:.1f} s of them planning); loss curve: {a.plot or '-'}")
+          f"digits: {acc} after {result['epochs']} epochs ({result['steps']} steps, {result['wall_s']:.1f} "
+          f"s, {result['setup_s']:.1f} s of them planning); loss curve: {a.plot or '-'}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f)

@@ -1,10 +1,11 @@
-"""Baechi's memory-constrained placers (Jeon et al., "Baechi: Fast Device Placement of Machine Learning Graphs",
-SoCC 2020): m-TOPO, m-ETF and m-SCT, as policies on the list-scheduling core (`schedule.py`).
+"""Baechi's memory-constrained placers (Jeon et al., "Baechi: Fast Device Placement of Machine Learning
+Graphs", SoCC 2020): m-TOPO, m-ETF and m-SCT, as policies on the list-scheduling core (`schedule.py`).
 
 Memory is `schedule.StaticMemory` with residents homed by their updaters (Baechi pins a parameter with the op
 that updates it; one nobody updates with its first reader). Allreduces (data-parallel graphs) take no time
-(`schedule.FreeAllreduce`). Time: an op's inputs arrive at a device when their producers finish plus the transfer
-from the producer's device (`PlanCosts`, linear in bytes); a resident input is free wherever it is not homed yet.
+(`schedule.FreeAllreduce`). Time: an op's inputs arrive at a device when their producers finish plus the
+transfer from the producer's device (`PlanCosts`, linear in bytes); a resident input is free wherever it is
+not homed yet.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def _baechi_schedule(graph: OpGraph, cluster: Cluster, costs: PlanCosts) -> Sche
     return Schedule(graph, costs, StaticMemory(graph, cluster, home_per_update=False), FreeAllreduce())
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # m-TOPO
 
 
 class TopoFill:
-    """m-TOPO's rule (see `m_topo`): ops in Kahn's breadth-first order fill device after device up to a cap, and
-    an update goes where its parameter's first reader went."""
+    """m-TOPO's rule (see `m_topo`): ops in Kahn's breadth-first order fill device after device up to a cap,
+    and an update goes where its parameter's first reader went."""
 
     def __init__(self, sched: Schedule, cluster: Cluster) -> None:
         mem = sched.memory
@@ -46,7 +47,8 @@ class TopoFill:
         self.queue: deque[int] = deque()
         self.home: dict[int, int] = {}  # parameter -> the device of its first reader
         self.order: list[int] = []  # the ops as they were placed: each device runs its own in this order
-        # What one update writes (a parameter and its optimizer state) lives together, charged on the first read.
+        # What one update writes (a parameter and its optimizer state) lives together, charged on the first
+        # read.
         self.group: dict[int, tuple[int, ...]] = {}
         for op in sched.g.ops:
             for r in op.updates:
@@ -61,7 +63,8 @@ class TopoFill:
         i = self.queue.popleft()
         g, size = sched.g, sched.memory.size
         claimed = [r for r in (*g.ops[i].inputs, *g.ops[i].updates) if g.ops[r].kind in RESIDENT]
-        new = [r for r in dict.fromkeys(m for r in claimed for m in self.group.get(r, (r,))) if r not in self.home]
+        new = [r for r in dict.fromkeys(m for r in claimed for m in self.group.get(r, (r,)))
+               if r not in self.home]
         need = size[i] + sum(size[r] for r in new)
         homes = {self.home[r] for r in g.ops[i].updates if r in self.home}
         if homes:  # colocated with its parameter, which was charged with its state where it was first read
@@ -80,14 +83,14 @@ class TopoFill:
 
 
 def m_topo(graph: OpGraph, cluster: Cluster, costs: PlanCosts | None = None) -> Strategy:
-    """Baechi's m-TOPO: ops in Kahn's breadth-first topological order fill the devices one after another, each up
-    to its capacity, the total static memory over the number of devices plus the largest op's (capped at the
-    device's memory; the last device takes the rest up to its memory). Total static memory is what every op and
-    resident charges once (`StaticMemory.size`); a parameter and its optimizer state are charged with the
-    parameter's first reader, and its update runs there (Baechi colocates a variable with the ops that update
-    it), so neither travels. An op over every capacity goes to the device with the most free memory. Each device
-    runs its ops in that order.
-    `costs` only serves the interface shared with the other planners: m-TOPO ignores time.
+    """Baechi's m-TOPO: ops in Kahn's breadth-first topological order fill the devices one after another, each
+    up to its capacity, the total static memory over the number of devices plus the largest op's (capped at
+    the device's memory; the last device takes the rest up to its memory). Total static memory is what every
+    op and resident charges once (`StaticMemory.size`); a parameter and its optimizer state are charged with
+    the parameter's first reader, and its update runs there (Baechi colocates a variable with the ops that
+    update it), so neither travels. An op over every capacity goes to the device with the most free memory.
+    Each device runs its ops in that order. `costs` only serves the interface shared with the other planners:
+    m-TOPO ignores time.
     """
     sched = _baechi_schedule(graph, cluster, costs or _no_costs(graph, cluster))
     placed = list_schedule(sched, (fill := TopoFill(sched, cluster)))
@@ -101,14 +104,15 @@ def _no_costs(graph: OpGraph, cluster: Cluster) -> PlanCosts:
     return PlanCosts(times=np.zeros((len(graph.ops), len(cluster.devices))), cluster=cluster)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # m-ETF and m-SCT: list scheduling by earliest start time
 
 
 class EarliestStart:
-    """m-ETF's rule: among ready ops and devices with room, the pair that can start first (ties: the op earlier
-    in graph order, then the lower device), appended to its device. With `favorite` (m-SCT), a device's last
-    op's favorite child starts right after it there first, when it is ready and its inputs are there in time."""
+    """m-ETF's rule: among ready ops and devices with room, the pair that can start first (ties: the op
+    earlier in graph order, then the lower device), appended to its device. With `favorite` (m-SCT), a
+    device's last op's favorite child starts right after it there first, when it is ready and its inputs are
+    there in time."""
 
     def __init__(self, sched: Schedule, favorite: Sequence[int] | None = None) -> None:
         self.favorite = favorite
@@ -127,7 +131,8 @@ class EarliestStart:
         c = self._favorite(sched) if self.favorite is not None else None
         if c is None:
             r = np.array(self.ops)
-            est = np.where(sched.memory.room_many(r), np.maximum(self.arrive[r], sched.free_at[None, :]), np.inf)
+            est = np.where(sched.memory.room_many(r), np.maximum(self.arrive[r], sched.free_at[None, :]),
+                           np.inf)
             row, d = divmod(int(np.argmin(est)), sched.n_devices)
             c = Choice(int(r[row]), d, float(est[row, d]))
         self.ops.remove(c.op)
@@ -140,7 +145,8 @@ class EarliestStart:
         best: tuple[float, int, int] | None = None
         for d, p in enumerate(sched.last):
             c = self.favorite[p] if p >= 0 else -1
-            if c < 0 or not self.is_ready[c] or self.arrive[c, d] > sched.free_at[d] or not sched.memory.room(c)[d]:
+            if (c < 0 or not self.is_ready[c] or self.arrive[c, d] > sched.free_at[d]
+                    or not sched.memory.room(c)[d]):
                 continue
             cand = (float(sched.free_at[d]), c, d)
             if best is None or cand < best:
@@ -162,34 +168,37 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: PlanCosts | None = None) -> S
     """m-SCT: m-ETF with the favorite-child rule of Hanen & Munier's SCT algorithm, as Baechi uses it.
 
     Each op gets at most one favorite child (see `favorite_children`: the LP relaxation of the
-    small-communication-time scheduling ILP). While scheduling, when the last op on a device has a favorite child
-    that is ready and whose inputs are all on that device by the time the device is free, that child starts there
-    right after its parent, ahead of the ETF choice (the earliest such device first). Otherwise the step is plain
-    m-ETF. Simplification: a device is not held idle for a favorite child that is not ready yet.
+    small-communication-time scheduling ILP). While scheduling, when the last op on a device has a favorite
+    child that is ready and whose inputs are all on that device by the time the device is free, that child
+    starts there right after its parent, ahead of the ETF choice (the earliest such device first). Otherwise
+    the step is plain m-ETF. Simplification: a device is not held idle for a favorite child that is not ready
+    yet.
     """
     costs = costs or plan_costs(graph, cluster)
     sched = _baechi_schedule(graph, cluster, costs)
     return list_schedule(sched, EarliestStart(sched, favorite_children(graph, costs))).strategy("m-sct")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # SCT favorite children
 
 
 def favorite_children(g: OpGraph, costs: PlanCosts) -> list[int]:
-    """Each op's favorite child (or -1), from the LP relaxation of the SCT scheduling ILP (Hanen & Munier 1995).
+    """Each op's favorite child (or -1), from the LP relaxation of the SCT scheduling ILP (Hanen & Munier
+    1995).
 
     Variables: a start time t_i per scheduled op, x_ij in [0, 1] per edge (0: j runs right after i on i's
-    device, so the transfer vanishes) and the makespan w. Constraints, with p_i an op's mean time over devices and
-    c_ij the edge's mean transfer time over device pairs:
+    device, so the transfer vanishes) and the makespan w. Constraints, with p_i an op's mean time over devices
+    and c_ij the edge's mean transfer time over device pairs:
         t_j >= t_i + p_i + c_ij · x_ij          for every edge i -> j
         sum_j x_ij >= out-degree(i) - 1         each op has at most one favorite child
         sum_i x_ij >= in-degree(j) - 1          each op has at most one favorite parent
         w >= t_i + p_i                          for every op without successors
     minimize w + ε · sum c_ij x_ij / sum c_ij, with ε = 1e-6 · sum p_i: the second term, too small to trade
-    any real makespan, prefers dropping the heaviest transfers among equally short LP schedules. j is i's favorite child when x_ij < 1/2; the degree
-    constraints keep that to one child per op and one parent per child. One device: no favorites. If HiGHS fails,
-    fall back to the greedy rule: each op's heaviest-transfer child not yet claimed by another parent.
+    any real makespan, prefers dropping the heaviest transfers among equally short LP schedules. j is i's
+    favorite child when x_ij < 1/2; the degree constraints keep that to one child per op and one parent per
+    child. One device: no favorites. If HiGHS fails, fall back to the greedy rule: each op's heaviest-transfer
+    child not yet claimed by another parent.
     """
     n = len(g.ops)
     if len(costs.cluster.devices) < 2:

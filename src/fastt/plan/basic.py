@@ -14,7 +14,8 @@ def single_device(graph: OpGraph, cluster: Cluster) -> Strategy:
 
 
 def data_parallel(graph: OpGraph, cluster: Cluster, accumulate: int = 1) -> Strategy:
-    """The step replicated once per device on batch/N; gradients ring-allreduced; every device updates its copy.
+    """The step replicated once per device on batch/N; gradients ring-allreduced; every device updates its
+    copy.
 
     With `accumulate` k, each device runs k replicas one after the other (micro-batches of batch/(N·k)), each
     replica's forward and backward before the next one's, so that a device holds one micro-batch's activations

@@ -36,11 +36,12 @@ class PlanCosts:
     def inv_bandwidth(self) -> np.ndarray:
         """inv_bandwidth[s, d]: seconds per byte from s to d, so transfer = latency + bytes · inv_bandwidth.
 
-        Read off a transfer of _PROBE bytes: the latency is some 10^5 times one byte's time, so the difference of
-        a one-byte transfer and an empty one would lose about five of the slope's digits."""
+        Read off a transfer of _PROBE bytes: the latency is some 10^5 times one byte's time, so the difference
+        of a one-byte transfer and an empty one would lose about five of the slope's digits."""
         n = len(self.cluster.devices)
         lat = self.latency
-        return np.array([[(self.transfer(s, d, _PROBE) - lat[s, d]) / _PROBE for d in range(n)] for s in range(n)])
+        return np.array([[(self.transfer(s, d, _PROBE) - lat[s, d]) / _PROBE for d in range(n)]
+                         for s in range(n)])
 
     def mean_transfer(self) -> tuple[float, float]:
         """(latency, seconds per byte) of a transfer averaged over ordered pairs of distinct devices."""
@@ -64,7 +65,8 @@ def plan_costs(g: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = No
 
 def memory_of(g: OpGraph) -> list[int]:
     """Bytes each op is charged on its device when planning: its output if that output is live at the peak of
-    a run in graph order, else 0. Residents (params, state, buffers) are charged by the planners where they live.
+    a run in graph order, else 0. Residents (params, state, buffers) are charged by the planners where they
+    live.
 
     Charging every output for the whole step (Baechi's static model) counts each backward temporary as if it
     lived forever and overstates a training step's memory several times over; charging the outputs live at the
@@ -86,7 +88,8 @@ def memory_of(g: OpGraph) -> list[int]:
         if live > peak:
             peak, at = live, i
         live -= sum(g.ops[j].out_bytes for j in frees[i] if g.ops[j].kind not in RESIDENT)
-    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0 for i, op in enumerate(g.ops)]
+    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0
+            for i, op in enumerate(g.ops)]
 
 
 def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[int],
@@ -95,9 +98,9 @@ def strategy_from(g: OpGraph, planner: str, n_devices: int, device_of: Sequence[
     """A Strategy running each placed op of `g` on `device_of[i]`, each device's ops sorted by `start[i]`
     (by default the graph's topological order).
 
-    By default a resident is held on the devices of the ops that update it (so each holder applies the update);
-    one nobody updates is held where it is read. A device applies each update once, however many replicas it runs
-    (`duplicate_updates` are left out).
+    By default a resident is held on the devices of the ops that update it (so each holder applies the
+    update); one nobody updates is held where it is read. A device applies each update once, however many
+    replicas it runs (`duplicate_updates` are left out).
     """
     order: list[list[int]] = [[] for _ in range(n_devices)]
     placement: dict[str, int] = {}

@@ -2,20 +2,21 @@
 
 A mixed plan runs the step as `replicate(step at batch/R, R)` (R shards, the replicated graph every runtime
 runs) and gives every layer (`fastt.layers`) a `Spread`: the devices its shards run on, shard k on
-`devices[k·m // R]`. What the spreads are decides the kind of parallelism (docs/design.md, "Mixed parallelism"):
-every layer on every device is data parallelism; a layer on one device is held once (its gradient a local sum,
-nothing crosses a link); on a node's devices it is replicated there only; layers on different nodes with R shards
-are a pipeline whose micro-batches are the shards. A parameter is held by the devices its layer's shards run on,
-each applies its update once (`graph.duplicate_updates`), and its gradient is allreduced among them only.
+`devices[k·m // R]`. What the spreads are decides the kind of parallelism (docs/design.md, "Mixed
+parallelism"): every layer on every device is data parallelism; a layer on one device is held once (its
+gradient a local sum, nothing crosses a link); on a node's devices it is replicated there only; layers on
+different nodes with R shards are a pipeline whose micro-batches are the shards. A parameter is held by the
+devices its layer's shards run on, each applies its update once (`graph.duplicate_updates`), and its gradient
+is allreduced among them only.
 
-The expert planners are spreads chosen as experts choose them (each raises FasttError where it does not apply);
-`fastt` keeps the fastest of theirs, the spread search's (search.py) and OS-DPOS's (portfolio.py):
+The expert planners are spreads chosen as experts choose them (each raises FasttError where it does not
+apply); `fastt` keeps the fastest of theirs, the spread search's (search.py) and OS-DPOS's (portfolio.py):
 - `owt` (Krizhevsky's one weird trick): layers of convolutions and attention data-parallel, the other matrix
   multiplications and embeddings each held once, spread over the devices by their work;
 - `table-wise` (TorchRec's table-wise sharding): each embedding table held once, spread by bytes, the rest DP;
-- `pipeline` (GPipe's micro-batches in PipeDream-flush's 1F1B order, as Megatron runs them): a stage per node (or
-  per device on one node), consecutive layers cut where the stages' work is even, each stage data-parallel inside
-  its node, the shards its micro-batches.
+- `pipeline` (GPipe's micro-batches in PipeDream-flush's 1F1B order, as Megatron runs them): a stage per node
+  (or per device on one node), consecutive layers cut where the stages' work is even, each stage data-parallel
+  inside its node, the shards its micro-batches.
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def mixed_strategy(graph: OpGraph, cluster: Cluster, shards: int, spreads: Seque
             s.validate(graph_for(graph, s))
             return s
         except FasttError:  # a stage that runs twice in the forward pass (a tied decoder): GPipe's order
-            return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards), replicas=shards)
+            return strategy_from(g, planner, n, device, start=_gpipe_start(graph, g, found, shards),
+                                 replicas=shards)
     return ordered(graph, strategy_from(g, planner, n, device, replicas=shards), cluster, measured)
 
 
 def _gpipe_start(graph: OpGraph, g: OpGraph, found: Layers, shards: int) -> list[int]:
-    """GPipe's order: every device runs its shards' forward ops shard after shard, then their backward ops, then
-    the updates, so a stage hands each shard on as soon as it is done with it."""
+    """GPipe's order: every device runs its shards' forward ops shard after shard, then their backward ops,
+    then the updates, so a stage hands each shard on as soon as it is done with it."""
     fwd = _forward_ops(graph, g, found)
     return [(2 if op.kind == UPDATE else 0 if fwd[i] else 1) * shards + replica_of(op.name)
             for i, op in enumerate(g.ops)]
@@ -112,10 +114,10 @@ def _forward_ops(graph: OpGraph, g: OpGraph, found: Layers) -> list[bool]:
 def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: Sequence[int]) -> list[int]:
     """PipeDream-flush's 1F1B order (Megatron's): virtual stage v of V runs V-v-1 shards' forward ops, then
     alternates the next shard's forward and the oldest shard's backward, so it keeps at most V-v shards'
-    activations alive (GPipe's all-forwards-first keeps every shard's: the same bubble, more memory); the updates
-    last. Shard m's forward is at 2m - (V-v-1), its backward at 2m + (V-v-1) + 1.
-    A virtual stage is a stretch of the forward pass on one stage: a tied decoder that runs on the first stage
-    after the last is a virtual stage of its own (as Megatron's interleaved schedule)."""
+    activations alive (GPipe's all-forwards-first keeps every shard's: the same bubble, more memory); the
+    updates last. Shard m's forward is at 2m - (V-v-1), its backward at 2m + (V-v-1) + 1. A virtual stage is a
+    stretch of the forward pass on one stage: a tied decoder that runs on the first stage after the last is a
+    virtual stage of its own (as Megatron's interleaved schedule)."""
     virtual = [0] * len(g.ops)
     fwd = _forward_ops(graph, g, found)
     placed = [op.kind not in RESIDENT and op.kind != ALLREDUCE for op in g.ops]
@@ -126,7 +128,8 @@ def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: S
     top = max((virtual[i] for i in range(len(g.ops)) if fwd[i] and placed[i]), default=0)
     for i, op in enumerate(g.ops):  # backward: one less at each change of stage on the way back
         if not fwd[i] and placed[i] and op.kind != UPDATE:
-            virtual[i] = min((virtual[j] - (stage[j] != stage[i]) for j in op.inputs if not fwd[j] and placed[j]
+            virtual[i] = min((virtual[j] - (stage[j] != stage[i]) for j in op.inputs if not fwd[j]
+                              and placed[j]
                               and g.ops[j].kind != UPDATE), default=top)
     key = [0] * len(g.ops)
     for i, op in enumerate(g.ops):
@@ -136,8 +139,8 @@ def one_f_one_b(graph: OpGraph, g: OpGraph, found: Layers, shards: int, stage: S
 
 
 class _Held:
-    """Where each resident lives when the plan has said so already (its layer's devices): nothing to decide, and
-    every device has room (the simulator checks memory)."""
+    """Where each resident lives when the plan has said so already (its layer's devices): nothing to decide,
+    and every device has room (the simulator checks memory)."""
 
     def __init__(self, homes: dict[int, list[int]], n_devices: int) -> None:
         self.homes, self.n_devices = homes, n_devices
@@ -152,18 +155,20 @@ class _Held:
         pass
 
 
-def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
-    """`strategy` with each device's ops reordered by a list schedule of its placement (ops by decreasing upward
-    rank, their time on their device plus the longest path after them with transfers, each in the first idle gap
-    of its device), so that a device runs first what others wait for: the FC layer's shard a data-parallel device
-    waits on. The placement and holders stay."""
+def ordered(graph: OpGraph, strategy: Strategy, cluster: Cluster,
+            measured: MeasuredCosts | None = None) -> Strategy:
+    """`strategy` with each device's ops reordered by a list schedule of its placement (ops by decreasing
+    upward rank, their time on their device plus the longest path after them with transfers, each in the first
+    idle gap of its device), so that a device runs first what others wait for: the FC layer's shard a
+    data-parallel device waits on. The placement and holders stay."""
     g = graph_for(graph, strategy)
     device = [strategy.placement.get(op.name, -1) for op in g.ops]
     costs = plan_costs(g, cluster, measured)
     nbytes = edge_bytes(g)
     here = [max(d, 0) for d in device]
     rank = upward_rank(g, costs.times[np.arange(len(g.ops)), here],
-                       lambda i, s: 0.0 if here[i] == here[s] else costs.transfer(here[i], here[s], nbytes[i, s]))
+                       lambda i, s: 0.0 if here[i] == here[s]
+                       else costs.transfer(here[i], here[s], nbytes[i, s]))
     homes = {g.index[name]: list(devs) for name, devs in strategy.holders.items()}
     policy = ByRank(rank, fixed=dict(enumerate(here)))  # every op fixed: ranks order, devices stay
     sched = list_schedule(Schedule(g, costs, _Held(homes, strategy.n_devices), RingAllreduce()), policy)
@@ -200,7 +205,8 @@ def _balanced(weights: Sequence[float], n: int) -> list[int]:
 
 def _held_once(graph: OpGraph, cluster: Cluster, found: Layers, chosen: list[int], weight: Sequence[float],
                planner: str, measured: MeasuredCosts | None) -> Strategy:
-    """Layers `chosen` each on one device (balanced by `weight`), the others data-parallel over every device."""
+    """Layers `chosen` each on one device (balanced by `weight`), the others data-parallel over every
+    device."""
     n = len(cluster.devices)
     if graph.batch % n:
         raise FasttError(f"{planner}: batch {graph.batch} does not split into {n} equal shares")
@@ -212,9 +218,11 @@ def _held_once(graph: OpGraph, cluster: Cluster, found: Layers, chosen: list[int
 
 
 def owt(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
-    """The one weird trick: convolutions and attention data-parallel, other matmuls and embeddings held once."""
+    """The one weird trick: convolutions and attention data-parallel, other matmuls and embeddings held
+    once."""
     found = layers(graph)
-    attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name or "attention" in layer.name}
+    attention = {k for k, layer in enumerate(found.layers) if "attn" in layer.name
+                 or "attention" in layer.name}
     chosen = [k for k in range(len(found)) if k not in attention and not _targets(graph, found, k) & set(CONV)
               and _targets(graph, found, k) & {*MATMUL, *EMBEDDING}]
     if not chosen:

@@ -1,4 +1,5 @@
-"""Planning by name: a registered planner, and the `fastt` planner's options (search budget, measured op times)."""
+"""Planning by name: a registered planner, and the `fastt` planner's options (search budget, measured op
+times)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | 
          measured: MeasuredCosts | None = None) -> Strategy:
     """A strategy for `graph` on `cl` from the named planner (see fastt.plan.PLANNERS).
 
-    `budget_s` bounds the `fastt` and `os-dpos` planners' split search (they return the best plan found so far;
-    0 searches no splits); `measured` gives them measured op times (the other planners plan with the cost
+    `budget_s` bounds the `fastt` and `os-dpos` planners' split search (they return the best plan found so
+    far; 0 searches no splits); `measured` gives them measured op times (the other planners plan with the cost
     model's estimates).
     """
     if planner in ("fastt", "os-dpos") and (budget_s is not None or measured is not None):

@@ -6,8 +6,8 @@
    device, and the list schedulers HEFT, m-ETF, m-SCT and m-TOPO (milliseconds each) — a portfolio, so `fastt`
    is never slower than any of them; the `dpos` planner is DPOS alone.
 2. Find the critical path of the starting plan's simulated schedule.
-3. Take its ops that have a split rule in decreasing compute time. For each, try every dimension its rule allows
-   and every part count from 2 to the number of devices, rerun DPOS on each split graph, keep the best.
+3. Take its ops that have a split rule in decreasing compute time. For each, try every dimension its rule
+   allows and every part count from 2 to the number of devices, rerun DPOS on each split graph, keep the best.
 4. Accept a split only if it lowers the iteration time; at the first op where no split helps, stop.
 Candidates are compared by DPOS's own makespan (fast), and an accepted plan is confirmed by the simulator.
 `budget_s` bounds the search: when it runs out the best plan so far is returned.
@@ -31,7 +31,8 @@ from .common import PlanCosts, plan_costs
 from .dpos import dpos_strategy, schedule
 from .heft import heft
 
-DEFAULT_BUDGET_S = 6.0  # seconds of split search after the starting plans (docs/benchmarks.md gives planning times)
+# seconds of split search after the starting plans (docs/benchmarks.md gives planning times)
+DEFAULT_BUDGET_S = 6.0
 
 
 def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
@@ -58,8 +59,8 @@ def _seeds(graph: OpGraph, cluster: Cluster, deadline: float,
 
 
 def _judge(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None) -> tuple[bool, float]:
-    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest. `g` less the
-    duplicate updates the plan leaves out (a device applies each update once, `strategy_from`)."""
+    """(does not fit, iteration seconds): sorting by it puts plans that fit first, then the fastest. `g` less
+    the duplicate updates the plan leaves out (a device applies each update once, `strategy_from`)."""
     g = without_unplaced_updates(g, s.placement)
     tl = simulate(g, s, cluster, op_times(g, cluster, measured))
     return (not tl.fits, tl.iteration_s)
@@ -84,7 +85,8 @@ def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Clus
     times = op_times(g, cluster, measured)
     tl = simulate(g, best, cluster, times)
     cp = {g.index[name] for name in tl.critical_path if name in g.index}
-    names = [g.ops[i].name for i in sorted((i for i in cp if splittable(g.ops[i], g)), key=lambda i: -times[i].max())]
+    by_time = sorted((i for i in cp if splittable(g.ops[i], g)), key=lambda i: -times[i].max())
+    names = [g.ops[i].name for i in by_time]
     splits = list(best.splits)
     makespan = max(schedule(g, PlanCosts(times, cluster)).finish)
     for name in names:

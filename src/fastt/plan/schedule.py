@@ -6,8 +6,9 @@
       +-- policy.pick(sched)       -> Choice(op, device, start), the policy's priority and device rule
       +-- sched.place(choice)      device busy time (`Slots`), memory (`StaticMemory`), start and finish
 
-A `Schedule` is the state: each op's device, start and finish, every device's busy blocks, free memory and where
-each resident lives. Times come from one `PlanCosts`: op times, and transfer = latency + bytes · s per byte.
+A `Schedule` is the state: each op's device, start and finish, every device's busy blocks, free memory and
+where each resident lives. Times come from one `PlanCosts`: op times, and transfer = latency + bytes · s per
+byte.
 """
 
 from __future__ import annotations
@@ -68,15 +69,16 @@ class Slots:
 class StaticMemory:
     """Planning memory: each device's free bytes, and where each resident (parameter, state, buffer) lives.
 
-    An op charges `memory_of(g)[i]` on its device for the whole step (its output if that is live at the peak of a
-    run in graph order, not every output as in Baechi's paper: see `memory_of`); a resident charges its bytes on
-    each of its homes. With `home_per_update` (DPOS) a resident has one home per op that updates it (one in a
-    plain graph, one per replica in a data-parallel one), made by the first ops that read or update it, and each
-    update runs on a home of its own that no other update used. Without it (Baechi) a resident has one home, the
-    device of the first op that updates it, or, if nothing updates it, of the first that reads it. A resident no
-    op reads or updates lives on device 0, as `strategy_from` holds it, charged there only without
-    `home_per_update` (as the two planners always did). A device without room for an op is not offered;
-    when no device has room the one with the most free memory is, and the simulator reports the misfit.
+    An op charges `memory_of(g)[i]` on its device for the whole step (its output if that is live at the peak
+    of a run in graph order, not every output as in Baechi's paper: see `memory_of`); a resident charges its
+    bytes on each of its homes. With `home_per_update` (DPOS) a resident has one home per op that updates it
+    (one in a plain graph, one per replica in a data-parallel one), made by the first ops that read or update
+    it, and each update runs on a home of its own that no other update used. Without it (Baechi) a resident
+    has one home, the device of the first op that updates it, or, if nothing updates it, of the first that
+    reads it. A resident no op reads or updates lives on device 0, as `strategy_from` holds it, charged there
+    only without `home_per_update` (as the two planners always did). A device without room for an op is not
+    offered; when no device has room the one with the most free memory is, and the simulator reports the
+    misfit.
     """
 
     def __init__(self, g: OpGraph, cluster: Cluster, home_per_update: bool) -> None:
@@ -88,7 +90,8 @@ class StaticMemory:
         for i, op in enumerate(g.ops):
             for r in op.updates:
                 self.updaters[r].append(i)
-        self.copies = [max(len(self.updaters.get(r, ())), 1) if home_per_update else 1 for r in range(len(g.ops))]
+        self.copies = [max(len(self.updaters.get(r, ())), 1) if home_per_update else 1
+                       for r in range(len(g.ops))]
         self.claims: list[tuple[int, ...]] = []  # the residents each op claims
         self.claimants: dict[int, list[int]] = {r: [] for r in g.residents}
         for i, op in enumerate(g.ops):
@@ -102,13 +105,14 @@ class StaticMemory:
                 self.claimants[r].append(i)
         self.homes: list[list[int]] = [[] for _ in g.ops]
         self.updated_on: list[set[int]] = [set() for _ in g.ops]
-        # need[i]: what op i charges on a device that is no home yet; `touchy`: ops whose charge or update rule
-        # depends on the device (a resident partly homed, or updated elsewhere already)
+        # need[i]: what op i charges on a device that is no home yet; `touchy`: ops whose charge or update
+        # rule depends on the device (a resident partly homed, or updated elsewhere already)
         self.need = np.array([self.size[i] + sum(self.size[r] for r in c) for i, c in enumerate(self.claims)],
                              dtype=np.int64)
         self.touchy: set[int] = set()
         for r, ops in self.claimants.items():
-            if not ops:  # strategy_from holds it on device 0; Baechi's planners charge it there, DPOS does not
+            # strategy_from holds it on device 0; Baechi's planners charge it there, DPOS does not
+            if not ops:
                 self.homes[r].append(0)
                 self.free[0] -= 0 if home_per_update else self.size[r]
 
@@ -195,7 +199,8 @@ class FreeAllreduce:
 
 
 def reads_of(g: OpGraph) -> list[list[tuple[int, int]]]:
-    """(producer, bytes) once per distinct input of each op: a tensor read twice moves once, the larger size."""
+    """(producer, bytes) once per distinct input of each op: a tensor read twice moves once, the larger
+    size."""
     out = []
     for op in g.ops:
         seen: dict[int, int] = {}
@@ -271,7 +276,8 @@ class Schedule:
     def strategy(self, planner: str, by_start: bool = True, replicas: int | None = None) -> Strategy:
         """The Strategy: each device's ops sorted by start time (or in topological order)."""
         device_of = [max(d, 0) for d in self.dev]
-        return strategy_from(self.g, planner, self.n_devices, device_of, start=self.start if by_start else None,
+        return strategy_from(self.g, planner, self.n_devices, device_of,
+                             start=self.start if by_start else None,
                              replicas=self.g.replicas if replicas is None else replicas)
 
 
@@ -322,7 +328,8 @@ def upward_rank(g: OpGraph, w: np.ndarray, edge_cost) -> list[float]:
 
 class ByRank:
     """Ops by decreasing rank (ties in graph order), each to the device where it finishes first, filling idle
-    gaps (HEFT's rule); an op in `fixed` goes to its device there while that has room (DPOS's critical path)."""
+    gaps (HEFT's rule); an op in `fixed` goes to its device there while that has room (DPOS's critical
+    path)."""
 
     def __init__(self, rank: list[float], fixed: dict[int, int] | None = None) -> None:
         self.rank, self.fixed = rank, fixed or {}

@@ -1,4 +1,5 @@
-"""Real training runs of several planners side by side: measured and simulated iteration times (`fastt run`)."""
+"""Real training runs of several planners side by side: measured and simulated iteration times (`fastt
+run`)."""
 
 from __future__ import annotations
 
@@ -18,23 +19,25 @@ Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
 
 
 def _placed(make: Callable[[], Workload], home: str) -> Workload:
-    """A fresh workload with its model and example inputs on `home` (the optimizer holds the same Parameters)."""
+    """A fresh workload with its model and example inputs on `home` (the optimizer holds the same
+    Parameters)."""
     name, model, loss_fn, opt, inputs = make()
     return name, model.to(home), loss_fn, opt, tuple(x.to(home) for x in inputs)
 
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
-                 check: bool, tune: bool = False, clip_grad_norm: float | None = None, trial: bool = True) -> dict:
+                 check: bool, tune: bool = False, clip_grad_norm: float | None = None,
+                 trial: bool = True) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
     its plan in the first steps: the median over the steps after tuning). `setup_s`: what `parallelize` took,
     the `fastt` planner's trial against data parallelism included (`trial=False`: its plan unmeasured). With
-    `check`, every step is also taken by the plain one-device eager step from the same state (`take_state`), with
-    the worker devices' thread count, and the largest relative difference of any parameter after a step is
-    reported. On GPUs
-    the model lives on the first device, and `eager` is plain PyTorch there. `clip_grad_norm`: every step clips
-    the gradients' global norm (`torch.nn.utils.clip_grad_norm_`), eager's too.
+    `check`, every step is also taken by the plain one-device eager step from the same state (`take_state`),
+    with the worker devices' thread count, and the largest relative difference of any parameter after a step
+    is reported. On GPUs the model lives on the first device, and `eager` is plain PyTorch there.
+    `clip_grad_norm`: every step clips the gradients' global norm (`torch.nn.utils.clip_grad_norm_`), eager's
+    too.
     """
     home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
@@ -60,7 +63,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
             times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
             if ref is not None:
-                worst = max(worst, eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm))
+                diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm)
+                worst = max(worst, diff)
         after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
         results.append({"planner": planner, "measured_iteration_s": measured,
@@ -76,8 +80,9 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
 def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,
                trained: torch.nn.Module, clip_grad_norm: float | None = None) -> float:
     """The plain one-device eager step of `ref` (which took the state `trained` started this step from) on
-    `batch`, with `threads` threads (the worker devices' kernels); the largest relative difference from `trained`
-    after its step. Batch statistics are per replica under data parallelism (`eager_reference_step`)."""
+    `batch`, with `threads` threads (the worker devices' kernels); the largest relative difference from
+    `trained` after its step. Batch statistics are per replica under data parallelism
+    (`eager_reference_step`)."""
     _, model, loss_fn, opt, _ = ref
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -1,11 +1,11 @@
 """Which plan a runtime runs: the one decision sequence that `parallelize` and `parallelize_distributed` call.
 
 In order: a strategy given is run; with a tuner, data parallelism when it fits (the tuner starts from it);
-another planner than `fastt` plans with the cost model's estimates; then op times are measured at the batch sizes
-the plan runs (or, for the `fastt` planner and the tuner, those it compares: the whole step and the data-parallel
-replicas' step), and the `fastt` planner plans with them. What differs between the runtimes comes in: the cluster
-and its device count, how op times are measured, and where the `fastt` planner runs (under torchrun: rank 0
-alone, the others waiting for its plan).
+another planner than `fastt` plans with the cost model's estimates; then op times are measured at the batch
+sizes the plan runs (or, for the `fastt` planner and the tuner, those it compares: the whole step and the
+data-parallel replicas' step), and the `fastt` planner plans with them. What differs between the runtimes
+comes in: the cluster and its device count, how op times are measured, and where the `fastt` planner runs
+(under torchrun: rank 0 alone, the others waiting for its plan).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ Measure = Callable[[Sequence[int], Strategy | None], MeasuredCosts]  # (batch si
 
 class Decision(NamedTuple):
     """What `decide` chose: the plan (None where `alone` returned None: the ranks that wait for rank 0's), the
-    measured op times it was planned and is simulated with, and whether the `fastt` planner made it from them."""
+    measured op times it was planned and is simulated with, and whether the `fastt` planner made it from
+    them."""
 
     strategy: Strategy | None
     costs: MeasuredCosts
@@ -47,10 +48,11 @@ def tuner_of(tune: bool | Tuner) -> Tuner | None:
 def decide(graph: OpGraph, cl: Cluster, *, n_devices: int, planner: str, strategy: Strategy | None,
            tuner: Tuner | None, measure: Measure,
            alone: Callable[[Callable[[], Strategy]], Strategy | None] = here) -> Decision:
-    """The strategy to run `graph` with on `cl` (`n_devices` devices) and its measured costs (module docstring).
+    """The strategy to run `graph` with on `cl` (`n_devices` devices) and its measured costs (module
+    docstring).
 
-    `measure(batches, strategy)` measures the step's op times at those batch sizes, knowing the plan decided so
-    far (None when the `fastt` planner is still to plan); `alone(fn)` runs the `fastt` planner's `fn()` and
+    `measure(batches, strategy)` measures the step's op times at those batch sizes, knowing the plan decided
+    so far (None when the `fastt` planner is still to plan); `alone(fn)` runs the `fastt` planner's `fn()` and
     returns its plan (`here`, or `distributed.alone_on_rank0`).
     """
     if strategy is None and tuner is not None and replicable(graph, n_devices):

@@ -1,23 +1,21 @@
 """The local runtime: one thread per device (a CPU worker device or a CUDA stream), each running its program
 strictly in order.
 
-`compile_programs` cuts each device's program into segments: runs of consecutive tasks that need nothing from
-another device once started (a segment ends where another device waits for its last op, and starts where it
-waits for another device or an allreduce). A segment of plain tasks becomes one generated Python function (torch.fx
-codegen), so its values stay local and only the ones read elsewhere go through the replica's shared table; split
-parts and joins are interpreted. A segment starts when every op it waits for has finished (a thread waits on one
-event per op, never on the device order of others); torch releases the GIL inside kernels, so devices compute in
-parallel. Gradients are averaged by the first device that needs them (see `_Run.wait_all`). Worker devices share this process's memory: a transfer is a hand-off, and all holders of a parameter hold
-the same tensor — so every replica reads the parameters as they were before the step, and the new values are
-written back once the step has finished. Data parallelism keeps per-replica batch-norm buffers (per-device
-statistics, as DDP); replica 0's are kept. An exception in any task stops every device and is raised with the op's
-name.
+The programs are `programs.compile_programs`' segments. A segment starts when every op it waits for has
+finished (a thread waits on one event per op, never on the device order of others); torch releases the GIL
+inside kernels, so devices compute in parallel. Gradients are averaged by the first device that needs them
+(see `_Run.wait_all`). Worker devices share this process's memory: a transfer is a hand-off, and all holders
+of a parameter hold the same tensor — so every replica reads the parameters as they were before the step, and
+the new values are written back once the step has finished. Data parallelism keeps per-replica batch-norm
+buffers (per-device statistics, as DDP); replica 0's are kept. An exception in any task stops every device and
+is raised with the op's name.
 
-On CUDA devices a thread launches its device's kernels on its own stream (a GPU's default stream, or a stream of
-its own for a second device on the same GPU). A finished segment records a CUDA event, and a device that reads its
-results makes its stream wait for that event, so the GPUs wait on each other only where the data flows. A value on
-another GPU is copied once per step and device; parameters and the optimizer state live on the model's GPU (the
-truth) and are copied to the other devices that read them. The step ends by synchronizing every GPU.
+On CUDA devices a thread launches its device's kernels on its own stream (a GPU's default stream, or a stream
+of its own for a second device on the same GPU). A finished segment records a CUDA event, and a device that
+reads its results makes its stream wait for that event, so the GPUs wait on each other only where the data
+flows. A value on another GPU is copied once per step and device; parameters and the optimizer state live on
+the model's GPU (the truth) and are copied to the other devices that read them. The step ends by synchronizing
+every GPU.
 """
 
 from __future__ import annotations
@@ -25,202 +23,25 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from torch import fx
 from torch.fx.node import map_arg
 
-from ..cluster import Cluster, torch_device
-from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..graph import OpGraph
-from ..lower import JOIN, PART, RUN, Lowered, Task, lower
-from ..simulate import simulate_plan
-from ..split import join, rule, run_part, slice_dims
-from ..strategy import Strategy
+from ..lower import JOIN, PART, Lowered, Task
+from ..split import join, rule, run_part
+from .programs import Programs, Segment, on_device
 
 
 class StepError(RuntimeError):
     """An op raised while the step ran; the message names it and the device."""
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive tasks of one device and replica that run without waiting once `waits` (ops of other devices,
-    allreduces) have finished. `fn(*inputs) -> outputs` is their generated code (None for a split part or join)."""
-
-    replica: int
-    tasks: tuple[Task, ...]
-    waits: tuple[int, ...]
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    fn: Callable | None = None
-
-
-def _on(kwargs: dict, device: torch.device) -> dict:
-    """An op's kwargs with a factory op's `device` (the device the step was captured on) set to `device`."""
-    dev = kwargs.get("device")
-    return {**kwargs, "device": device} if isinstance(dev, torch.device) and dev != device else kwargs
-
-
-def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task],
-              device: torch.device) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
-    """The code of a run of plain tasks on `device`: (names it reads, names read after it, function)."""
-    names = [name for t in tasks for name in t.nodes]
-    inside = set(names)
-    inputs = tuple(dict.fromkeys(x.name for name in names for x in nodes[name].all_input_nodes
-                                 if x.name not in inside))
-    outputs = tuple(name for name in names if any(u.name not in inside for u in nodes[name].users))
-    g = fx.Graph()
-    values = {name: g.placeholder(name) for name in inputs}
-    for name in names:
-        values[name] = g.node_copy(nodes[name], lambda a: values[a.name])
-        values[name].kwargs = _on(values[name].kwargs, device)
-    g.output(tuple(values[name] for name in outputs))
-    return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
-
-
-def written_placeholders(n: fx.Node) -> list[str]:
-    """The placeholders node n writes in place: a buffer `copy_`'d into, batch norm's running statistics (which
-    `native_batch_norm` updates in training although its schema does not say so)."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is None:
-        return []
-    values = [*n.args, *(n.kwargs.get(a.name) for a in schema.arguments[len(n.args):])]
-    written = [v for a, v in zip(schema.arguments, values) if a.alias_info is not None and a.alias_info.is_write]
-    if n.target is torch.ops.aten.native_batch_norm.default and values[5]:
-        written += values[3:5]
-    return [v.name for v in written if isinstance(v, fx.Node) and v.op == "placeholder"]
-
-
-def _writes(t: Task, d: int, nodes: dict[str, fx.Node]) -> list[tuple[str, int, tuple[int, int, int] | None]]:
-    """What task t on device d writes in place: (placeholder, d, None) for a whole tensor, (placeholder, d, (dim,
-    k, parts)) for the slice that part k of a split op writes (batch norm split by channel)."""
-    if t.kind != PART:
-        return [(x, d, None) for name in t.nodes for x in written_placeholders(nodes[name])]
-    n = nodes[t.head]
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
-    dims = slice_dims(rule(n.target, t.part[0]), vals)
-    pos = {a.name: i for i, a in enumerate(n.args) if isinstance(a, fx.Node)}
-    return [(x, d, None if dims[pos[x]] is None else (dims[pos[x]], t.part[1], t.part[2]))
-            for x in written_placeholders(n)]
-
-
-@dataclass(frozen=True)
-class Programs:
-    """The compiled programs: `devices[d]` is device d's segments; `signals` the ops some device waits for;
-    the step's nodes by name, its placeholders and its outputs (names), looked up once. `targets[d]` is the torch
-    device device d runs on, `streams[d]` its CUDA stream (CUDA only); `writeback` the placeholders (batch-norm
-    buffers) that replica 0 updates in place: (name, device, region), the region being None for the whole tensor
-    or (dim, k, parts) for the slice a split op's part k updates."""
-
-    devices: tuple[tuple[Segment, ...], ...]
-    signals: frozenset[int]
-    nodes: dict[str, fx.Node]
-    placeholders: tuple[str, ...]
-    outputs: tuple[str, ...]
-    targets: tuple[torch.device, ...]
-    streams: tuple = ()
-    writeback: tuple[tuple[str, int, tuple[int, int, int] | None], ...] = ()
-    copy_streams: dict = field(default_factory=dict)  # (device, source GPU) -> stream copying to the device
-
-    @property
-    def cuda(self) -> bool:
-        return self.targets[0].type == "cuda"
-
-
-def _streams(targets: Sequence[torch.device]) -> tuple:
-    """A CUDA stream per device: its GPU's default stream for the first device on a GPU, a new one after."""
-    seen: set[torch.device] = set()
-    out = []
-    for dev in targets:
-        out.append(torch.cuda.Stream(dev) if dev in seen else torch.cuda.default_stream(dev))
-        seen.add(dev)
-    return tuple(out)
-
-
-def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None = None) -> Programs:
-    """Each device's program as segments (see the module docstring); `targets[d]` is the torch device device d
-    runs on (default: all on the CPU)."""
-    targets = tuple(torch.device(t) for t in (targets or ["cpu"] * len(low.programs)))
-    if len({t.type for t in targets}) > 1 or len(targets) != len(low.programs):
-        raise FasttError(f"devices {[str(t) for t in targets]}: the runtime needs one kind of device per plan "
-                         f"device ({len(low.programs)})")
-    device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
-    # What each task waits for from elsewhere: ops of other devices and allreduces.
-    foreign = {t.op: tuple(j for j in t.waits if j in low.allreduces or device_of[j] != d)
-               for d, program in enumerate(low.programs) for t in program}
-
-    def gated(t: Task) -> bool:  # waits for an allreduce, and for nothing else on another device
-        return bool(foreign[t.op]) and all(j in low.allreduces for j in foreign[t.op])
-
-    handoffs = {j for waits in foreign.values() for j in waits if j not in low.allreduces}
-    nodes = {n.name: n for n in low.step.gm.graph.nodes}
-    programs = []
-    for d, program in enumerate(low.programs):
-        runs: list[list[Task]] = []
-        for t in program:
-            prev = runs[-1][-1] if runs else None
-            # Gradients are not cut out of a segment for the allreduce: its readers, the updates, come at the
-            # end of the backward. A run of updates waits for all its allreduces up front.
-            joins = prev is not None and (not foreign[t.op] or gated(t) and gated(prev))
-            if (not joins or t.kind != RUN or prev.kind != RUN or prev.op in handoffs
-                    or prev.replica != t.replica):
-                runs.append([])
-            runs[-1].append(t)
-        segments = []
-        for tasks in runs:
-            waits = list(dict.fromkeys(j for t in tasks for j in foreign[t.op]))
-            # Devices take a run's allreduces from different starting points, so they compute them side by side.
-            k = len(waits) * d // len(low.programs)
-            waits = tuple(waits[k:] + waits[:k])
-            code = _generate(low, nodes, tasks, targets[d]) if tasks[0].kind == RUN else ((), (), None)
-            segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
-        programs.append(tuple(segments))
-    signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
-    placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
-    outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
-    writeback = tuple(w for d, program in enumerate(low.programs) for t in program if t.replica == 0
-                      for w in _writes(t, d, nodes))
-    return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
-                    _streams(targets) if targets[0].type == "cuda" else (), writeback)
-
-
-@dataclass(frozen=True)
-class Placed:
-    """A strategy ready to run: its per-device programs and its simulated iteration time (measured op costs)."""
-
-    strategy: Strategy
-    lowered: Lowered
-    programs: Programs
-    simulated_s: float
-
-
-def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts,
-          targets: Sequence[str | torch.device] | None = None) -> Placed:
-    """Lower and compile `strategy` for `targets` (the torch device of each device; default: the cluster's); a
-    strategy that does not fit in device memory is refused."""
-    low = lower(graph, strategy)
-    programs = compile_programs(low, targets or [torch_device(dev) for dev in cl.devices])
-    tl = simulate_plan(graph, strategy, cl, costs, release=release_points(low, programs))
-    if not tl.fits:
-        raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    return Placed(strategy, low, programs, tl.iteration_s)
-
-
-def release_points(low: Lowered, programs: Programs) -> dict[str, str]:
-    """Op -> the last op of its segment: what an op hands to other devices (values, gradients for an allreduce)
-    leaves when its segment ends. The simulator's `release`, so it simulates the step the runtimes run."""
-    ops = low.graph.ops
-    return {ops[t.op].name: ops[seg.tasks[-1].op].name
-            for segs in programs.devices for seg in segs for t in seg.tasks[:-1]}
-
-
 class _Run:
-    """The state of one step: values per replica, an event per op some device waits for, the first error.
-    On CUDA also: the CUDA event each waited-for op was recorded with, values copied to other GPUs, and tensors
+    """The state of one step: values per replica, an event per op some device waits for, the first error. On
+    CUDA also: the CUDA event each waited-for op was recorded with, values copied to other GPUs, and tensors
     other streams read, kept alive until the step has synchronized."""
 
     signalled = True  # devices run in threads of this process and wait on each other's events
@@ -233,9 +54,11 @@ class _Run:
         self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
         self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
-        self.raw: dict[str, list] = {}  # gradient -> each replica's own, as the first allreduce of it found them
+        # gradient -> each replica's own, as the first allreduce of it found them
+        self.raw: dict[str, list] = {}
         self.error: tuple[str, int, BaseException] | None = None
-        self.recorded: dict[int, tuple[torch.cuda.Event, int]] = {}  # op -> (CUDA event, device that recorded it)
+        # op -> (CUDA event, device that recorded it)
+        self.recorded: dict[int, tuple[torch.cuda.Event, int]] = {}
         self.moved: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (source, copy)
         self.held: list = []
 
@@ -251,9 +74,9 @@ class _Run:
         return True
 
     def wait_all(self, ops: Sequence[int], d: int, chunk: int = 16) -> bool:
-        """Wait for every op of `ops`. Allreduces no device has started are claimed and computed here: the next
-        one, with those of the following `chunk` whose gradients are all there already (one batch). A device
-        never holds a claim on an allreduce while it waits for another one's gradients: no deadlock."""
+        """Wait for every op of `ops`. Allreduces no device has started are claimed and computed here: the
+        next one, with those of the following `chunk` whose gradients are all there already (one batch). A
+        device never holds a claim on an allreduce while it waits for another one's gradients: no deadlock."""
         for k, a in enumerate(ops):
             if a not in self.low.allreduces:
                 continue
@@ -285,12 +108,14 @@ class _Run:
             ev.set()
 
     def get(self, k: int, name: str, d: int, x: object = None):
-        """Replica k's value `name` (or `x`, a value it had) on device d: on another GPU, copied once per step. The
-        copy runs on a stream of the source GPU that first waits for device d's stream, which has waited for the
-        value's producer."""
+        """Replica k's value `name` (or `x`, a value it had) on device d: on another GPU, copied once per
+        step. The copy runs on a stream of the source GPU that first waits for device d's stream, which has
+        waited for the value's producer."""
         x = self.envs[k][name] if x is None else x
-        if not self.cuda or not isinstance(x, torch.Tensor) or not x.is_cuda or x.device == self.programs.targets[d]:
-            return x  # CPU tensors in a GPU step (e.g. attention's random seed) stay where the kernel wants them
+        if (not self.cuda or not isinstance(x, torch.Tensor) or not x.is_cuda
+                or x.device == self.programs.targets[d]):
+            # CPU tensors in a GPU step (e.g. attention's random seed) stay where the kernel wants them
+            return x
         hit = self.moved.get((k, name, d))
         if hit is not None and hit[0] is x:
             return hit[1]
@@ -321,7 +146,8 @@ class _Run:
         return True
 
     def average(self, names: Sequence[str], grads: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Every replica's `names` become the mean of `grads` (one list per replica), summed in replica order."""
+        """Every replica's `names` become the mean of `grads` (one list per replica), summed in replica
+        order."""
         total = replica_mean(grads)
         for env in self.envs:
             env.update(zip(names, total))
@@ -340,7 +166,7 @@ class _Run:
 
         def args_of(n: fx.Node) -> tuple:
             args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.get(t.replica, a.name, d))
-            return args, _on(kwargs, device)
+            return args, on_device(kwargs, device)
 
         if t.kind == PART:
             n = self.nodes[t.head]
@@ -409,7 +235,8 @@ class _Run:
 
 
 def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP does."""
+    """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP
+    does."""
     total = grads[0]
     for other in grads[1:]:
         total = torch._foreach_add(total, other)
@@ -417,12 +244,13 @@ def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     return list(total)
 
 
-def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
+def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
+                 buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+                 batch: Sequence[torch.Tensor],
                  hypers: Sequence[float]) -> list[dict]:
     """Each replica's table of values, holding the step's inputs: the parameters, its own batch-norm buffers
-    (replica 0's are the model's, the others' copies of those the step writes), optimizer state, its share of the
-    batch, the hyperparameters and its loss weight (`fastt.loss`)."""
+    (replica 0's are the model's, the others' copies of those the step writes), optimizer state, its share of
+    the batch, the hyperparameters and its loss weight (`fastt.loss`)."""
     r = low.replicas
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
@@ -447,19 +275,20 @@ def replica_tables(low: Lowered, programs: Programs, params: Sequence[torch.Tens
     return envs
 
 
-def weighted_loss(envs: Sequence[dict], programs: Programs, device: torch.device | None = None) -> torch.Tensor:
+def weighted_loss(envs: Sequence[dict], programs: Programs,
+                  device: torch.device | None = None) -> torch.Tensor:
     """The whole batch's loss: the mean of the replicas' losses, each times its weight (`fastt.loss`)."""
     loss, weight = programs.outputs[0], programs.placeholders[-1]
     return sum(env[loss].to(device) * env[weight] for env in envs) / len(envs)
 
 
 def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
-             buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]], batch: Sequence[torch.Tensor],
-             hypers: Sequence[float], threads_per_device: int = 1,
+             buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+             batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int = 1,
              timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
-    state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of every
-    segment run (on CUDA the segment's GPU time)."""
+    state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of
+    every segment run (on CUDA the segment's GPU time)."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
     run = _Run(low, programs, envs, threads_per_device, timings)
     with torch.no_grad():
@@ -469,7 +298,8 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
     gpus = list(dict.fromkeys(programs.targets)) if programs.cuda else []
     for stream, dev in zip(programs.streams, programs.targets):  # after what the caller queued (the batch)
         stream.wait_stream(torch.cuda.current_stream(dev))
-    workers = [threading.Thread(target=run.device, args=(d,), daemon=True) for d in range(len(programs.devices))]
+    workers = [threading.Thread(target=run.device, args=(d,), daemon=True)
+               for d in range(len(programs.devices))]
     for w in workers:
         w.start()
     for w in workers:

@@ -9,8 +9,8 @@ import torch
 
 
 def batch_like(inputs: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor, ...]:
-    """Another batch shaped like `inputs`: float inputs redrawn, integer ones (tokens, labels) permuted along the
-    batch so they stay in range."""
+    """Another batch shaped like `inputs`: float inputs redrawn, integer ones (tokens, labels) permuted along
+    the batch so they stay in range."""
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) if x.is_floating_point()
                  else x[torch.randperm(x.shape[0], generator=g)] for x in inputs)
@@ -29,11 +29,12 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim
 
 
 def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                  batch: Sequence[torch.Tensor], replicas: int, clip_grad_norm: float | None = None) -> torch.Tensor:
-    """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its own
-    copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica 0's
-    buffers kept; returns the mean of the replicas' losses. The reference only for batch statistics: it averages
-    as a mean over equal shares does (a sum or a masked mean would differ from the whole batch's)."""
+                  batch: Sequence[torch.Tensor], replicas: int,
+                  clip_grad_norm: float | None = None) -> torch.Tensor:
+    """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its
+    own copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica
+    0's buffers kept; returns the mean of the replicas' losses. The reference only for batch statistics: it
+    averages as a mean over equal shares does (a sum or a masked mean would differ from the whole batch's)."""
     b = batch[0].shape[0] // replicas
     buffers = dict(model.named_buffers())
     start = {n: v.clone() for n, v in buffers.items()}
@@ -67,8 +68,8 @@ def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
 
 
 def batch_statistics(model: torch.nn.Module) -> bool:
-    """Whether the model normalises by batch statistics in training (batch norm): the one thing data parallelism
-    computes differently from one device (per replica, as DDP does)."""
+    """Whether the model normalises by batch statistics in training (batch norm): the one thing data
+    parallelism computes differently from one device (per replica, as DDP does)."""
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
@@ -93,9 +94,9 @@ def take_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ref_mod
 
 def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """The largest difference of any parameter or buffer, relative to that tensor's largest magnitude, or to a
-    thousandth of the model's largest where that is more: a tensor whose true gradient is zero (attention's key
-    bias) holds rounding noise, which a sum in another order rounds otherwise, and relative to itself that noise
-    would read as a difference of order 1."""
+    thousandth of the model's largest where that is more: a tensor whose true gradient is zero (attention's
+    key bias) holds rounding noise, which a sum in another order rounds otherwise, and relative to itself that
+    noise would read as a difference of order 1."""
     pairs = [(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())
              if x.is_floating_point() and x.numel()]
     floor = 1e-3 * max((x.abs().max().item() for x, _ in pairs), default=0.0)

@@ -1,16 +1,16 @@
-"""The batch per rank: each rank of the distributed runtime reads only its own shard of the batch, and the rows a
-plan needs elsewhere travel between the ranks at the start of the step.
+"""The batch per rank: each rank of the distributed runtime reads only its own shard of the batch, and the
+rows a plan needs elsewhere travel between the ranks at the start of the step.
 
-The whole batch of B samples (the one the step was captured with) is the ranks' shards side by side: rank r's is
-rows [r·B/world, (r+1)·B/world), as `DistributedSampler` gives each rank its own samples. Replica k of a plan with
-R replicas computes rows [k·B/R, (k+1)·B/R) (`local.replica_envs`), so in a data-parallel plan (R = world) rank
-r's shard is replica r's share and nothing travels. Where a rank runs ops of a replica whose rows are on other
-ranks (the one-device plan reads the whole batch on rank 0; a model-parallel or split plan), those rows are sent
-to it (`Feed`), before any of the step's own messages.
+The whole batch of B samples (the one the step was captured with) is the ranks' shards side by side: rank r's
+is rows [r·B/world, (r+1)·B/world), as `DistributedSampler` gives each rank its own samples. Replica k of a
+plan with R replicas computes rows [k·B/R, (k+1)·B/R) (`local.replica_envs`), so in a data-parallel plan (R =
+world) rank r's shard is replica r's share and nothing travels. Where a rank runs ops of a replica whose rows
+are on other ranks (the one-device plan reads the whole batch on rank 0; a model-parallel or split plan),
+those rows are sent to it (`Feed`), before any of the step's own messages.
 
 A replica's share is checked against the step's guards and counted for the loss weights (`fastt.loss`) by one
-rank, its `checker`; the ranks then agree (one small all_gather) so that a batch one rank refuses is refused by
-every rank, and every rank weighs every replica with the same counts.
+rank, its `checker`; the ranks then agree (one small all_gather) so that a batch one rank refuses is refused
+by every rank, and every rank weighs every replica with the same counts.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import torch
 
 from ..errors import FasttError
 from ..lower import Lowered
-from .local import Programs
+from .programs import Programs
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [lo, hi) of the whole batch's input `input`, which rank `src`'s shard holds and rank `dst` needs."""
+    """Rows [lo, hi) of the whole batch's input `input`, which rank `src`'s shard holds and rank `dst`
+    needs."""
 
     src: int
     dst: int
@@ -39,10 +40,11 @@ class Piece:
 @dataclass(frozen=True)
 class Feed:
     """Who holds which rows of the batch in a step. `shard`, `share`: the rows of a rank's shard and of a
-    replica's share; `held[d]`: the (replica, input) pairs rank d holds (those its segments read, and every input
-    of the replicas it checks); `checker[k]`: the rank that checks replica k's share (its guards) and counts it:
-    the rank whose shard holds it, else the first that reads it; `pieces`: the rows that travel, grouped by
-    (src, dst) in the order they are packed; `leaves[i]`: input i's (shape of one sample, dtype)."""
+    replica's share; `held[d]`: the (replica, input) pairs rank d holds (those its segments read, and every
+    input of the replicas it checks); `checker[k]`: the rank that checks replica k's share (its guards) and
+    counts it: the rank whose shard holds it, else the first that reads it; `pieces`: the rows that travel,
+    grouped by (src, dst) in the order they are packed; `leaves[i]`: input i's (shape of one sample,
+    dtype)."""
 
     world: int
     shard: int
@@ -84,7 +86,8 @@ class Feed:
         pieces it received, in row order."""
         out: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in self.checker]
         for k, i in self.held[rank]:
-            parts = [self.rows(rank, shard[i], lo, hi) if src == rank else received[Piece(src, rank, i, lo, hi)]
+            parts = [self.rows(rank, shard[i], lo, hi) if src == rank
+                     else received[Piece(src, rank, i, lo, hi)]
                      for src, lo, hi in spans(k, self.share, self.shard)]
             out[k][i] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out
@@ -98,14 +101,17 @@ def spans(k: int, share: int, shard: int) -> list[tuple[int, int, int]]:
 
 def inputs_of(low: Lowered, programs: Programs) -> list[str]:
     """The placeholders of the step's inputs (the batch), in order."""
-    return [name for name, role in zip(programs.placeholders, low.step.roles, strict=True) if role[0] == "input"]
+    return [name for name, role in zip(programs.placeholders, low.step.roles, strict=True)
+            if role[0] == "input"]
 
 
 def input_roots(low: Lowered, programs: Programs) -> dict[str, frozenset[int]]:
-    """The step's inputs and the prelude's views of them, each with the inputs (positions) its value comes from."""
+    """The step's inputs and the prelude's views of them, each with the inputs (positions) its value comes
+    from."""
     roots = {name: frozenset({i}) for i, name in enumerate(inputs_of(low, programs))}
     for name in low.prelude:
-        got = frozenset().union(*(roots.get(a.name, frozenset()) for a in programs.nodes[name].all_input_nodes))
+        got = frozenset().union(*(roots.get(a.name, frozenset())
+                                  for a in programs.nodes[name].all_input_nodes))
         if got:
             roots[name] = got
     return roots
@@ -116,8 +122,8 @@ def plan_feed(low: Lowered, programs: Programs, reads: Sequence[Sequence[tuple[i
     world, replicas = len(programs.devices), low.replicas
     batch = low.step.batch * replicas
     if batch % world:
-        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch divisible by "
-                         f"{world}")
+        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch "
+                         f"divisible by {world}")
     shard, share = batch // world, low.step.batch
     roots = input_roots(low, programs)
     vals = [programs.nodes[name].meta["val"] for name in inputs_of(low, programs)]

@@ -22,14 +22,16 @@ from ..lower import Lowered
 from ..plan.basic import data_parallel, single_device
 from ..strategy import Strategy
 from .decide import decide, tuner_of
-from .local import Placed, place, run_step
+from .local import run_step
+from .programs import Placed, place
 from .trial import Trial, raced, trial_steps
 from .tune import Tuner
 
 
 class PlacedStep:
-    """A training step that runs a placed plan (`placed`: an attribute, or a property whose setter rewires): the
-    plan, its programs and its simulated time, and what a `Tuner` reads to replan and place another plan."""
+    """A training step that runs a placed plan (`placed`: an attribute, or a property whose setter rewires):
+    the plan, its programs and its simulated time, and what a `Tuner` reads to replan and place another
+    plan."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -38,8 +40,10 @@ class PlacedStep:
     costs: MeasuredCosts
     tuner: Tuner | None
     placed: Placed
-    targets: Sequence[torch.device] | None = None  # what plans are compiled for (`place`); None: the cluster's
-    trial: Trial | None = None  # fastt's plan raced against data parallelism before training (`runtime.trial`)
+    # what plans are compiled for (`place`); None: the cluster's
+    targets: Sequence[torch.device] | None = None
+    # fastt's plan raced against data parallelism before training (`runtime.trial`)
+    trial: Trial | None = None
 
     @property
     def strategy(self) -> Strategy:
@@ -60,9 +64,11 @@ class ParallelStep(PlacedStep):
     With a `tuner`, the first steps of training also tune the plan (see `fastt.runtime.tune`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
-                 costs: MeasuredCosts, placed: Placed, threads_per_device: int, tuner: Tuner | None = None) -> None:
+                 costs: MeasuredCosts, placed: Placed, threads_per_device: int,
+                 tuner: Tuner | None = None) -> None:
         self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
-        self.costs, self.placed, self.threads_per_device, self.tuner = costs, placed, threads_per_device, tuner
+        self.costs, self.placed, self.threads_per_device = costs, placed, threads_per_device
+        self.tuner = tuner
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         tuning = self.tuner is not None and self.tuner.active
@@ -72,10 +78,11 @@ class ParallelStep(PlacedStep):
         step.check(self.model, self.optimizer, batch, self.lowered.replicas)
         guards.check(step.gm, batch, self.lowered.replicas)
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
-        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states, batch,
+        loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
+                                                batch,
                                                 hypers, self.threads_per_device, timings)
-        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects, which
-        # the optimizer and the user hold, stay the same).
+        # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
+        # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
             p.data = new
         fresh = iter(new_states)
@@ -90,18 +97,20 @@ class ParallelStep(PlacedStep):
 
 def busy_devices(strategy: Strategy) -> int:
     """How many worker devices a plan keeps busy at once, for measuring its ops: worker devices share the
-    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses one."""
+    machine's caches and memory bandwidth, so ops are timed with every device busy unless the plan uses
+    one."""
     return 1 if len(set(strategy.placement.values())) == 1 else strategy.n_devices
 
 
 def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
-                clip_grad_norm: float | None = None, accumulate: int = 1, trial: bool | int = True) -> ParallelStep:
-    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and return
-    the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`; `cuda:0,0`
-    runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its parameters and
-    the optimizer's state stay there, the truth).
+                clip_grad_norm: float | None = None, accumulate: int = 1,
+                trial: bool | int = True) -> ParallelStep:
+    """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and
+    return the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`;
+    `cuda:0,0` runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its
+    parameters and the optimizer's state stay there, the truth).
 
     Op times are measured on a device (a worker device: its share of the cores) before planning; the `fastt`
     planner plans with them, and keeps its plan only if it measures faster than data parallelism and, on CPU
@@ -109,19 +118,20 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     uses): they run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that
     many; False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial`
     has the medians and which plan was kept (`fastt.runtime.trial`). A one-device `strategy` (the trial's
-    rival kept, saved) runs on one CPU worker device with every core. `tune=True` (or a configured `Tuner`) instead
-    starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
+    rival kept, saved) runs on one CPU worker device with every core. `tune=True` (or a configured `Tuner`)
+    instead starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
     `clip_grad_norm` clips the gradients to that global norm before every update, as
-    `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`.
-    `accumulate=k` takes each step's batch as k micro-batches per device, one after the other, and updates once
-    with the whole batch's gradient (gradient accumulation: a device holds one micro-batch's activations): the
-    plan is data parallelism over the micro-batches (`plan.basic.data_parallel`).
+    `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`. `accumulate=k` takes each
+    step's batch as k micro-batches per device, one after the other, and updates once with the whole batch's
+    gradient (gradient accumulation: a device holds one micro-batch's activations): the plan is data
+    parallelism over the micro-batches (`plan.basic.data_parallel`).
     """
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise FasttError(f"accumulate must be a whole number of micro-batches a step (1 or more), got {accumulate!r}")
+        raise FasttError("accumulate must be a whole number of micro-batches a step (1 or more), got "
+                         f"{accumulate!r}")
     if accumulate > 1 and (tune or strategy is not None or planner not in ("fastt", "dp")):
-        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp (or the "
-                         "default), without tune or a strategy of your own")
+        raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp "
+                         "(or the default), without tune or a strategy of your own")
     cl = cluster(devices)
     if strategy is not None and strategy.n_devices == 1 and {d.kind for d in cl.devices} == {"cpu"}:
         cl = cluster("cpu:1")  # a one-device plan (the trial's rival, `all_cores`) runs with every core
@@ -145,8 +155,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     chosen = decide(graph, cl, n_devices=n, planner=planner, strategy=strategy, tuner=tuner, measure=measure)
 
     def placed(s: Strategy, tuning: Tuner | None = None) -> ParallelStep:
-        return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs), threads,
-                            tuning)
+        return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs),
+                            threads, tuning)
 
     step = placed(chosen.strategy, tuner)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
@@ -177,5 +187,5 @@ def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], 
     home = {t.device for t in [*model.parameters(), *example_inputs]}
     if len(home) != 1 or not home <= targets:
         where = ", ".join(sorted(map(str, home)))
-        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move them "
-                         f"there first (e.g. model.to('{min(map(str, targets))}'))")
+        raise FasttError(f"the model and its inputs are on {where}, not on one device of {cl.name}: move "
+                         f"them there first (e.g. model.to('{min(map(str, targets))}'))")

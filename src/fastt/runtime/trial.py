@@ -5,7 +5,8 @@ intra-op threads).
 The plans run a few steps on the model itself, in turn, and the fastest median is kept (`raced`); `step.trial`
 records them. The model, the optimizer and the random generators are put back as they were after (`restored`),
 so training starts where it would have without the trial. Both runtimes race this way: `parallelize` on the
-example batch, `parallelize_distributed` every rank on its shard, timed between barriers, rank 0's times deciding.
+example batch, `parallelize_distributed` every rank on its shard, timed between barriers, rank 0's times
+deciding.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def dp_rival(step: PlacedStep) -> Strategy | None:
 
 @contextlib.contextmanager
 def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Run the body, then put back the model's parameters and buffers, the optimizer's state (the step counters
-    too) and its stepped flag, and the random generators, as they were: steps taken inside leave no trace."""
+    """Run the body, then put back the model's parameters and buffers, the optimizer's state (the step
+    counters too) and its stepped flag, and the random generators, as they were: steps taken inside leave no
+    trace."""
     params = [(p, p.detach().clone()) for p in model.parameters()]
     buffers = [(b, b.clone()) for b in model.buffers()]
     state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -95,7 +97,8 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterat
         for p, saved_state in state.items():
             now = optimizer.state[p]
             for k, v in saved_state.items():
-                if isinstance(v, torch.Tensor) and isinstance(now.get(k), torch.Tensor) and now[k].shape == v.shape:
+                if isinstance(v, torch.Tensor) and isinstance(now.get(k),
+                                                              torch.Tensor) and now[k].shape == v.shape:
                     with torch.no_grad():
                         now[k].copy_(v)
                 else:
@@ -110,9 +113,9 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterat
 
 def trial_times(contenders: Sequence[PlacedStep], batch: Sequence[torch.Tensor], steps: int,
                 clock: Callable[..., float] = timed) -> list[float]:
-    """Each contender's median seconds a step on `batch` after a warm-up step (the tuner's rule, `settled`), their
-    steps taken in turn so that a slow moment of the machine falls on all; `clock(step, *batch)` times one. They
-    share one model and optimizer, put back after (`restored`)."""
+    """Each contender's median seconds a step on `batch` after a warm-up step (the tuner's rule, `settled`),
+    their steps taken in turn so that a slow moment of the machine falls on all; `clock(step, *batch)` times
+    one. They share one model and optimizer, put back after (`restored`)."""
     times: list[list[float]] = [[] for _ in contenders]
     with restored(contenders[0].model, contenders[0].optimizer):
         for _ in range(steps + 1):

@@ -1,10 +1,11 @@
 """FastT's tuning loop, run inside the first steps of real training.
 
-Round by round: profile the running plan for a few steps (the wall time of every segment of every device, so op
-times include what running beside the other devices costs them), refit the op costs, replan with the `fastt`
-planner on the refitted costs, run the new plan for a few steps, and keep it only if its measured iteration is
-faster — else roll back. Tuning stops when the refitted op times are stable, when the planner returns the running
-plan, or after `max_rounds`. Every round logs the plan's simulated and measured iteration times.
+Round by round: profile the running plan for a few steps (the wall time of every segment of every device, so
+op times include what running beside the other devices costs them), refit the op costs, replan with the
+`fastt` planner on the refitted costs, run the new plan for a few steps, and keep it only if its measured
+iteration is faster — else roll back. Tuning stops when the refitted op times are stable, when the planner
+returns the running plan, or after `max_rounds`. Every round logs the plan's simulated and measured iteration
+times.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
 from ..plan.named import plan
 from ..simulate import simulate_plan
-from .local import Placed, place, release_points
+from .programs import Placed, place, release_points
 
 if TYPE_CHECKING:
     from .step import PlacedStep
@@ -46,7 +47,8 @@ def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluste
 
 def settled(samples: Sequence[float]) -> float:
     """A plan's step time: the median of its steps after the first (which warms up caches and the allocator
-    after a plan change). How the tuner and the trial before training (`fastt.runtime.trial`) measure a plan."""
+    after a plan change). How the tuner and the trial before training (`fastt.runtime.trial`) measure a
+    plan."""
     return statistics.median(samples[1:] or samples)
 
 
@@ -102,14 +104,16 @@ class Tuner:
         if self._kept is not None:  # a trial ends: keep it or roll back
             old, old_s = self._kept
             kept = measured < old_s
-            self._record(placed, measured, kept, f"{'kept' if kept else 'rolled back'} (before: {old_s * 1e3:.1f} ms)")
+            self._record(placed, measured, kept,
+                         f"{'kept' if kept else 'rolled back'} (before: {old_s * 1e3:.1f} ms)")
             if not kept:
                 step.placed, measured = old, old_s
             self._kept = None
         else:
             self._record(placed, measured, True, "running")
         if len(self.rounds) >= 2 * self.max_rounds or (len(self.rounds) > 1 and moved < self.tolerance):
-            return self._stop(step, f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up")
+            why = f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up"
+            return self._stop(step, why)
         candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs)
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")

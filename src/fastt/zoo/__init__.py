@@ -2,13 +2,13 @@
 on padded batches) and three where mixed parallelism matters (DLRM's embedding tables, GPT-2 medium and large,
 which do not fit one 16 GB GPU with Adam), at a fast `test` size and the `paper` size.
 
-``get(name, size)`` returns a :class:`Workload`: a model, its loss function, an optimizer over its parameters and
-an example batch. One training step is ``loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])``.
-At ``size="paper"`` everything is built by default inside a ``FakeTensorMode`` (kept as ``fake_mode``), so even
-BERT-large, GPT-2 large or DLRM's 2 GB of tables cost no real memory and build in well under a second; tracing
-it with ``make_fx(..., tracing_mode="fake")`` reuses that mode. Each builder's docstring documents its sizes
-and batch. A :data:`VARIANTS` model differs from another only at paper size; :data:`DISTINCT` leaves them
-out, for the tests that train every model at test size.
+``get(name, size)`` returns a :class:`Workload`: a model, its loss function, an optimizer over its parameters
+and an example batch. One training step is ``loss = loss_fn(model(*example_inputs[:-1]),
+example_inputs[-1])``. At ``size="paper"`` everything is built by default inside a ``FakeTensorMode`` (kept as
+``fake_mode``), so even BERT-large, GPT-2 large or DLRM's 2 GB of tables cost no real memory and build in well
+under a second; tracing it with ``make_fx(..., tracing_mode="fake")`` reuses that mode. Each builder's
+docstring documents its sizes and batch. A :data:`VARIANTS` model differs from another only at paper size;
+:data:`DISTINCT` leaves them out, for the tests that train every model at test size.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ assert tuple(_REGISTRY) == NAMES
 @dataclass
 class Workload:
     """One training workload: ``loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])``, then
-    ``optimizer.step()``. ``fake_mode`` is the ``FakeTensorMode`` the tensors were made in, or None if real."""
+    ``optimizer.step()``. ``fake_mode`` is the ``FakeTensorMode`` the tensors were made in, or None if
+    real."""
 
     name: str
     size: str

@@ -1,11 +1,11 @@
 """Hugging Face models of the zoo (BERT-base, BERT-large at lengths 128 and 64, GPT-2 small, medium and large,
 a Llama, DistilBERT on padded batches), built from a config with no download.
 
-``transformers`` is imported lazily inside the builders, so importing ``fastt.zoo`` stays fast and works without
-it. BERT and GPT-2 use ``attn_implementation="eager"`` (attention as plain matmul/softmax ops); the Llama and
-DistilBERT keep the default (SDPA), as users build them. Every model is wrapped in :class:`LogitsOnly`, whose
-forward returns a plain logits tensor. Builders have the signature
-``build(size, batch, dropout) -> (model, loss_fn, (input_ids, [attention_mask,] labels))``.
+``transformers`` is imported lazily inside the builders, so importing ``fastt.zoo`` stays fast and works
+without it. BERT and GPT-2 use ``attn_implementation="eager"`` (attention as plain matmul/softmax ops); the
+Llama and DistilBERT keep the default (SDPA), as users build them. Every model is wrapped in
+:class:`LogitsOnly`, whose forward returns a plain logits tensor. Builders have the signature ``build(size,
+batch, dropout) -> (model, loss_fn, (input_ids, [attention_mask,] labels))``.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ class LogitsOnly(nn.Module):
     """Wraps a Hugging Face LM: ``forward(input_ids[, attention_mask])`` returns the logits tensor
     ``(batch, length, vocab)``.
 
-    What transformers is given decides which of its checks on tensor values run: a branch on values, which fake
-    tracing takes from a real example batch and guards (`fastt.guards`) but cannot take from fake tensors (the
-    zoo's paper size). BERT gets no attention mask (every position is a real token), so transformers builds none.
-    GPT-2 gets an all-ones mask: without one, transformers inspects ``position_ids`` for packed sequences. The
-    Llama gets neither (``ones_mask=False``): its key/value cache makes transformers skip that inspection, and
-    its causal mask is SDPA's ``is_causal``. A padded batch's 2D ``attention_mask`` is passed on as the 4D
-    boolean mask transformers would build from it: given the 2D mask, transformers first checks whether anything
-    is padded (``mask.all()``), to skip it. ``pad_token_id`` is None, so no padding check on the token values
-    runs either. For BERT (``bert=True``) position and token type ids are passed explicitly, so its real
-    ``position_ids`` and ``token_type_ids`` buffers are never read (a fake-mode trace of a real-tensor workload
-    rejects real tensors it did not get as inputs).
+    What transformers is given decides which of its checks on tensor values run: a branch on values, which
+    fake tracing takes from a real example batch and guards (`fastt.guards`) but cannot take from fake tensors
+    (the zoo's paper size). BERT gets no attention mask (every position is a real token), so transformers
+    builds none. GPT-2 gets an all-ones mask: without one, transformers inspects ``position_ids`` for packed
+    sequences. The Llama gets neither (``ones_mask=False``): its key/value cache makes transformers skip that
+    inspection, and its causal mask is SDPA's ``is_causal``. A padded batch's 2D ``attention_mask`` is passed
+    on as the 4D boolean mask transformers would build from it: given the 2D mask, transformers first checks
+    whether anything is padded (``mask.all()``), to skip it. ``pad_token_id`` is None, so no padding check on
+    the token values runs either. For BERT (``bert=True``) position and token type ids are passed explicitly,
+    so its real ``position_ids`` and ``token_type_ids`` buffers are never read (a fake-mode trace of a
+    real-tensor workload rejects real tensors it did not get as inputs).
     """
 
     def __init__(self, model: nn.Module, bert: bool = False, ones_mask: bool = True) -> None:
@@ -80,7 +80,8 @@ def _bert(size: str, batch: int, dropout: bool, large: bool, length: int = 128) 
     else:
         hidden, layers, heads, length, vocab = (256, 2, 4, 64, 2000)
     config = tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                           num_attention_heads=heads, intermediate_size=4 * hidden, max_position_embeddings=512,
+                           num_attention_heads=heads, intermediate_size=4 * hidden,
+                           max_position_embeddings=512,
                            hidden_dropout_prob=p, attention_probs_dropout_prob=p, pad_token_id=None,
                            attn_implementation="eager")
     model = LogitsOnly(tf.BertForMaskedLM(config), bert=True)
@@ -91,10 +92,10 @@ def _bert(size: str, batch: int, dropout: bool, large: bool, length: int = 128) 
 
 
 def bert_base(size: str, batch: int, dropout: bool) -> Built:
-    """BERT-base masked LM (Devlin et al. 2019): 12 layers, hidden 768, 12 heads, FFN 3072, WordPiece vocabulary
-    30522, dropout 0.1 (BertForMaskedLM: no pooler, decoder tied to the word embedding; 109.5M params).
-    paper: sequence length 128 (BERT's phase-1 pretraining length), batch 32. test: 2 layers, hidden 256,
-    4 heads, vocab 2000, length 64, batch 16. Labels: 15% of positions carry the token (no [MASK]
+    """BERT-base masked LM (Devlin et al. 2019): 12 layers, hidden 768, 12 heads, FFN 3072, WordPiece
+    vocabulary 30522, dropout 0.1 (BertForMaskedLM: no pooler, decoder tied to the word embedding; 109.5M
+    params). paper: sequence length 128 (BERT's phase-1 pretraining length), batch 32. test: 2 layers, hidden
+    256, 4 heads, vocab 2000, length 64, batch 16. Labels: 15% of positions carry the token (no [MASK]
     substitution; inputs are random anyway), the rest -100, ignored by cross entropy."""
     return _bert(size, batch, dropout, large=False)
 
@@ -150,13 +151,13 @@ def gpt2_large(size: str, batch: int, dropout: bool) -> Built:
 
 
 def llama(size: str, batch: int, dropout: bool) -> Built:
-    """A Llama-style decoder as users build it: ``LlamaForCausalLM`` from a config, with RMSNorm, rotary position
-    embeddings, grouped-query attention, a SwiGLU MLP and the default (SDPA) attention; the default config also
-    builds a key/value cache, whose empty tensors are constants of the step. Llamas train without dropout, so
-    ``dropout`` changes nothing. paper: TinyLlama-1.1B (Zhang et al. 2024): 22 layers, hidden 2048, 32 query
-    heads over 4 key/value heads, FFN 5632, vocabulary 32000, untied LM head (1.1B params), length 2048, batch 8.
-    test: 2 layers, hidden 128, 4 heads over 2 key/value heads, FFN 344, vocab 2000, length 64, batch 16.
-    Input tokens[:, :-1], target tokens[:, 1:]."""
+    """A Llama-style decoder as users build it: ``LlamaForCausalLM`` from a config, with RMSNorm, rotary
+    position embeddings, grouped-query attention, a SwiGLU MLP and the default (SDPA) attention; the default
+    config also builds a key/value cache, whose empty tensors are constants of the step. Llamas train without
+    dropout, so ``dropout`` changes nothing. paper: TinyLlama-1.1B (Zhang et al. 2024): 22 layers, hidden
+    2048, 32 query heads over 4 key/value heads, FFN 5632, vocabulary 32000, untied LM head (1.1B params),
+    length 2048, batch 8. test: 2 layers, hidden 128, 4 heads over 2 key/value heads, FFN 344, vocab 2000,
+    length 64, batch 16. Input tokens[:, :-1], target tokens[:, 1:]."""
     tf = _transformers()
     paper, test = (2048, 5632, 22, 32, 4, 2048, 32000), (128, 344, 2, 4, 2, 64, 2000)
     d, ffn, layers, heads, kv, length, vocab = paper if size == "paper" else test
@@ -169,19 +170,21 @@ def llama(size: str, batch: int, dropout: bool) -> Built:
 
 
 def distilbert_padded(size: str, batch: int, dropout: bool) -> Built:
-    """DistilBERT masked LM (Sanh et al. 2019) on padded batches, as an encoder trains on sentences of different
-    lengths: ``DistilBertForMaskedLM`` with the default (SDPA) attention; 6 layers, hidden 768, 12 heads, FFN
-    3072, vocabulary 30522, dropout 0.1 (67.0M params with the MLM head). Rows are padded at the end to the
-    batch's length (the first row is full, the others uniformly half to all of it), with token 0 ([PAD]) and
-    attention mask 0 there; 15% of the real positions carry their token as label, the rest and the padding -100
-    (a masked mean: the loss counts the labelled positions). paper: length 128, batch 32. test: 2 layers,
-    hidden 128, 4 heads, FFN 512, vocab 2000, length 64, batch 16. Inputs (input_ids, attention_mask)."""
+    """DistilBERT masked LM (Sanh et al. 2019) on padded batches, as an encoder trains on sentences of
+    different lengths: ``DistilBertForMaskedLM`` with the default (SDPA) attention; 6 layers, hidden 768, 12
+    heads, FFN 3072, vocabulary 30522, dropout 0.1 (67.0M params with the MLM head). Rows are padded at the
+    end to the batch's length (the first row is full, the others uniformly half to all of it), with token 0
+    ([PAD]) and attention mask 0 there; 15% of the real positions carry their token as label, the rest and the
+    padding -100 (a masked mean: the loss counts the labelled positions). paper: length 128, batch 32. test: 2
+    layers, hidden 128, 4 heads, FFN 512, vocab 2000, length 64, batch 16. Inputs (input_ids,
+    attention_mask)."""
     tf = _transformers()
     p = 0.1 if dropout else 0.0
     paper, test = (768, 6, 12, 128, 30522), (128, 2, 4, 64, 2000)
     d, layers, heads, length, vocab = paper if size == "paper" else test
     config = tf.DistilBertConfig(vocab_size=vocab, dim=d, hidden_dim=4 * d, n_layers=layers, n_heads=heads,
-                                 max_position_embeddings=512, dropout=p, attention_dropout=p, pad_token_id=None)
+                                 max_position_embeddings=512, dropout=p, attention_dropout=p,
+                                 pad_token_id=None)
     model = LogitsOnly(tf.DistilBertForMaskedLM(config))
     lengths = torch.randint(length // 2, length + 1, (batch,))
     lengths[0] = length

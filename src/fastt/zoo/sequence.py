@@ -1,9 +1,9 @@
 """Sequence models of the zoo: Transformer-base (``torch.nn.Transformer``), an LSTM language model and GNMT.
 
-Every builder here has the signature ``build(size, batch, dropout) -> (model, loss_fn, example_inputs)``; the last
-example input is the target token ids and the loss is cross entropy over the flattened logits. All recurrent
-layers are ``nn.LSTM`` with ``batch_first=True``; sequence lengths are fixed, so there is no data-dependent
-control flow (``make_fx`` unrolls the LSTMs over time).
+Every builder here has the signature ``build(size, batch, dropout) -> (model, loss_fn, example_inputs)``; the
+last example input is the target token ids and the loss is cross entropy over the flattened logits. All
+recurrent layers are ``nn.LSTM`` with ``batch_first=True``; sequence lengths are fixed, so there is no
+data-dependent control flow (``make_fx`` unrolls the LSTMs over time).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def _sinusoids(length: int, d_model: int, device: torch.device | None = None) ->
 
 class Transformer(nn.Module):
     """Encoder-decoder Transformer: ``nn.Transformer`` (post-norm, ReLU) between a shared token embedding with
-    sinusoidal positions and an output projection tied to that embedding (Vaswani et al. 2017, section 3.4)."""
+    sinusoidal positions and an output projection tied to that embedding (Vaswani et al. 2017, section
+    3.4)."""
 
     def __init__(self, vocab: int, d_model: int, heads: int, layers: int, ffn: int, max_len: int,
                  dropout: float) -> None:
@@ -45,12 +46,14 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(vocab, d_model)
         nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
         self.drop = nn.Dropout(dropout)
-        # nn.Transformer deep-copies one prototype layer per layer, and deepcopy of a FakeTensor lands in a new
-        # FakeTensorMode ("Mixing fake modes" later); so build it with 0 layers and add fresh ones.
+        # nn.Transformer deep-copies one prototype layer per layer, and deepcopy of a FakeTensor lands in a
+        # new FakeTensorMode ("Mixing fake modes" later); so build it with 0 layers and add fresh ones.
         t = nn.Transformer(d_model, heads, 0, 0, ffn, dropout, batch_first=True)
-        t.encoder.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+        t.encoder.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, ffn, dropout,
+                                                                    batch_first=True)
                                          for _ in range(layers))
-        t.decoder.layers = nn.ModuleList(nn.TransformerDecoderLayer(d_model, heads, ffn, dropout, batch_first=True)
+        t.decoder.layers = nn.ModuleList(nn.TransformerDecoderLayer(d_model, heads, ffn, dropout,
+                                                                    batch_first=True)
                                          for _ in range(layers))
         t.encoder.num_layers = t.decoder.num_layers = layers
         for p in t.parameters():
@@ -69,7 +72,8 @@ class Transformer(nn.Module):
         # captured constant, which a fake-mode trace of a real-tensor workload rejects.
         t = tgt.shape[1]
         mask = torch.triu(torch.full((t, t), float("-inf"), device=tgt.device), diagonal=1)
-        # tgt_is_causal=True: nn.Transformer would otherwise compare the mask to a causal one (data-dependent).
+        # tgt_is_causal=True: nn.Transformer would otherwise compare the mask to a causal one
+        # (data-dependent).
         h = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=mask, tgt_is_causal=True)
         return self.out(h)
 
@@ -95,7 +99,8 @@ def transformer(size: str, batch: int, dropout: bool) -> Built:
 
 
 class RNNLM(nn.Module):
-    """Word-level LSTM language model: embedding, stacked LSTM, dropout, linear decoder (Zaremba et al. 2014)."""
+    """Word-level LSTM language model: embedding, stacked LSTM, dropout, linear decoder (Zaremba et al.
+    2014)."""
 
     def __init__(self, vocab: int, hidden: int, layers: int, dropout: float) -> None:
         super().__init__()
@@ -110,17 +115,18 @@ class RNNLM(nn.Module):
 
 
 def rnnlm(size: str, batch: int, dropout: bool) -> Built:
-    """2-layer LSTM LM, the "large" Penn Treebank setup of Zaremba et al. 2014: vocabulary 10000, embedding and
-    hidden size 1500, dropout 0.65, unrolled 35 steps (66.0M params). paper batch: 64 (Zaremba used 20 on one
-    GPU; 64 is a common per-iteration batch when training on several devices). test: hidden 256, vocab 2000,
-    20 steps, batch 64. Input tokens[:, :-1], target tokens[:, 1:]."""
+    """2-layer LSTM LM, the "large" Penn Treebank setup of Zaremba et al. 2014: vocabulary 10000, embedding
+    and hidden size 1500, dropout 0.65, unrolled 35 steps (66.0M params). paper batch: 64 (Zaremba used 20 on
+    one GPU; 64 is a common per-iteration batch when training on several devices). test: hidden 256, vocab
+    2000, 20 steps, batch 64. Input tokens[:, :-1], target tokens[:, 1:]."""
     p = _p(dropout, 0.65)
     if size == "paper":
         vocab, hidden, length = 10000, 1500, 35
     else:
         vocab, hidden, length = 2000, 256, 20
     tokens = _tokens(batch, length + 1, vocab)
-    return RNNLM(vocab, hidden, 2, p), cross_entropy, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return RNNLM(vocab, hidden, 2, p), cross_entropy, (tokens[:, :-1].contiguous(),
+                                                       tokens[:, 1:].contiguous())
 
 
 # ------------------------------------------------------------------------------------------------------- GNMT
@@ -129,11 +135,11 @@ def rnnlm(size: str, batch: int, dropout: bool) -> Built:
 class GNMT(nn.Module):
     """GNMT with 4 encoder and 4 decoder LSTM layers, as in the MLPerf reference ("GNMT v2", Wu et al. 2016).
 
-    Encoder: a bidirectional first layer, then 3 unidirectional layers with residual connections from the third
-    on. Decoder: the first LSTM layer's outputs attend over the encoder outputs (Luong "general" attention, a
-    simplification of GNMT's additive attention); the context is concatenated to the input of every upper layer,
-    with residual connections from the third layer on. Source and target share one embedding (shared wordpiece
-    vocabulary); the classifier is separate.
+    Encoder: a bidirectional first layer, then 3 unidirectional layers with residual connections from the
+    third on. Decoder: the first LSTM layer's outputs attend over the encoder outputs (Luong "general"
+    attention, a simplification of GNMT's additive attention); the context is concatenated to the input of
+    every upper layer, with residual connections from the third layer on. Source and target share one
+    embedding (shared wordpiece vocabulary); the classifier is separate.
     """
 
     def __init__(self, vocab: int, hidden: int, dropout: float) -> None:
@@ -166,9 +172,10 @@ class GNMT(nn.Module):
 
 
 def gnmt(size: str, batch: int, dropout: bool) -> Built:
-    """GNMT-4 (the MLPerf translation reference): hidden 1024, shared vocabulary of 32000 wordpieces, dropout 0.2,
-    source and target length 50 (MLPerf's training cap), batch 128 (the GNMT paper's and MLPerf's per-GPU batch).
-    test: hidden 256, vocab 2000, length 10, batch 64. Inputs (src, tgt_in), target = tgt_in shifted by one."""
+    """GNMT-4 (the MLPerf translation reference): hidden 1024, shared vocabulary of 32000 wordpieces, dropout
+    0.2, source and target length 50 (MLPerf's training cap), batch 128 (the GNMT paper's and MLPerf's per-GPU
+    batch). test: hidden 256, vocab 2000, length 10, batch 64. Inputs (src, tgt_in), target = tgt_in shifted
+    by one."""
     p = _p(dropout, 0.2)
     if size == "paper":
         vocab, hidden, length = 32000, 1024, 50

@@ -44,7 +44,8 @@ def _p(dropout: bool, p: float) -> float:
 
 
 class LeNet(nn.Module):
-    """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling: 2 convs (6, 16 maps of 5x5) and FC 120-84-classes."""
+    """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling: 2 convs (6, 16 maps of 5x5) and FC
+    120-84-classes."""
 
     def __init__(self, side: int = 32, classes: int = 10, width: int = 1) -> None:
         super().__init__()
@@ -94,7 +95,8 @@ class AlexNet(nn.Module):
 
 def alexnet(size: str, batch: int, dropout: bool) -> Built:
     """AlexNet. paper: 3x224x224, 1000 classes, channels 64-192-384-256-256, FC 4096-4096 (61.1M params),
-    batch 128 (the AlexNet paper's batch). test: 3x64x64, the full conv widths, FC 1024, 100 classes, batch 32."""
+    batch 128 (the AlexNet paper's batch). test: 3x64x64, the full conv widths, FC 1024, 100 classes, batch
+    32."""
     p = _p(dropout, 0.5)
     if size == "paper":
         return AlexNet(dropout=p), cross_entropy, _images(batch, 3, 224, 1000)
@@ -111,8 +113,8 @@ VGG19_CFG: tuple[int, ...] = (64, 64, 0, 128, 128, 0, 256, 256, 256, 256, 0, 512
 class VGG(nn.Module):
     """VGG (Simonyan & Zisserman 2015): 3x3 convs with ReLU, 2x2 max pools, three FC layers."""
 
-    def __init__(self, cfg: Sequence[int] = VGG19_CFG, side: int = 224, classes: int = 1000, width: float = 1.0,
-                 fc: int = 4096, dropout: float = 0.5) -> None:
+    def __init__(self, cfg: Sequence[int] = VGG19_CFG, side: int = 224, classes: int = 1000,
+                 width: float = 1.0, fc: int = 4096, dropout: float = 0.5) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         cin, s = 3, side
@@ -220,9 +222,9 @@ def resnet50(size: str, batch: int, dropout: bool) -> Built:
 
 def resnet200(size: str, batch: int, dropout: bool) -> Built:
     """ResNet-200 (blocks 3-24-36-3, He et al. 2016 "Identity mappings", here with post-activation blocks).
-    paper: 3x224x224, 1000 classes (64.7M params), batch 32 (it is ~4x the compute of ResNet-50).
-    test: blocks 3-8-12-3 (deeper than ResNet-50's test size, 3x shallower than paper), base width 16, 3x64x64,
-    100 classes, batch 16."""
+    paper: 3x224x224, 1000 classes (64.7M params), batch 32 (it is ~4x the compute of ResNet-50). test: blocks
+    3-8-12-3 (deeper than ResNet-50's test size, 3x shallower than paper), base width 16, 3x64x64, 100
+    classes, batch 16."""
     del dropout
     if size == "paper":
         return ResNet((3, 24, 36, 3)), cross_entropy, _images(batch, 3, 224, 1000)
@@ -271,7 +273,8 @@ class InceptionB(nn.Module):
     def __init__(self, cin: int, w: Width) -> None:
         super().__init__()
         self.b3 = Conv(cin, w(384), 3, 2)
-        self.bd = nn.Sequential(Conv(cin, w(64), 1), Conv(w(64), w(96), 3, padding=1), Conv(w(96), w(96), 3, 2))
+        self.bd = nn.Sequential(Conv(cin, w(64), 1), Conv(w(64), w(96), 3, padding=1),
+                                Conv(w(96), w(96), 3, 2))
         self.out_channels = w(384) + w(96) + cin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 by torchrun.
 
 Every rank builds the same model, captures the same step and compiles the same programs as the local runtime
-(`local.compile_programs`); rank d runs device d's segments. What the local runtime hands over in memory goes
-by point-to-point messages, all known before the first step (`wire`):
+(`programs.compile_programs`); rank d runs device d's segments. What the local runtime hands over in memory
+goes by point-to-point messages, all known before the first step (`wire`):
 
 - a value one device reads from another: sent (`isend`, non-blocking) right after the segment that produced
   it, received right before the first segment that reads it. Sends never block and a rank only waits for

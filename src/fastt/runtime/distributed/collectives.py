@@ -13,7 +13,7 @@ import torch
 
 from ...errors import FasttError
 from ...lower import Lowered
-from ..local import Programs
+from ..programs import Programs
 from .packing import Leaf, flat, leaf_view
 
 
@@ -29,7 +29,7 @@ class Slice(NamedTuple):
 @dataclass(frozen=True)
 class ReduceCall:
     """Allreduce ops whose gradients `ranks` average together in one call of collectives: the ranks that hold
-    one of the gradients or read the mean. (Not `fastt.simulate.Collective`, the simulator's allreduce holding
+    one of the gradients or read the mean. (Not `fastt.links.Collective`, the simulator's allreduce holding
     links: this is what the ranks call, one `all_reduce`, or the sharded pair of an `all_to_all` and an
     `all_gather`, for a bundle of allreduce ops.) `names`: the gradients, each with the rank that holds it per
     replica (`sources`) and its `Leaf` (`leaves`). Two replicas: each rank adds up the ones it holds (or

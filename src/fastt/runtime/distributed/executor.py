@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from ...lower import Lowered
-from ..local import Programs, _Run, replica_mean
+from ..local import _Run, replica_mean
+from ..programs import Programs
 from .collectives import ReduceCall, Shards
 from .faults import HEARTBEAT_S, LostPeer, RankError, failure_recorded, lost
 from .groups import directions, reducers

@@ -16,7 +16,7 @@ from ...cost import measure_step
 from ...errors import FasttError
 from ...strategy import Strategy
 from ..decide import decide, tuner_of
-from ..local import place
+from ..programs import place
 from ..shards import shard_of
 from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
@@ -39,10 +39,11 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     makes one of the ranks' shards); training then passes each rank its shard (`DistributedStep`).
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both
-    run `trial_steps` steps first, each rank on its shard, the model and optimizer restored after (0: no trial;
-    `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a configured
-    `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the first steps of
-    training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and logs."""
+    run `trial_steps` steps first, each rank on its shard, the model and optimizer restored after (0: no
+    trial; `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a
+    configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
+    first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and
+    logs."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     home = {t.device for t in [*model.parameters(), *example_inputs]}

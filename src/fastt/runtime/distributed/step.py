@@ -19,7 +19,8 @@ from ...cost import MeasuredCosts
 from ...errors import FasttError
 from ...graph import OpGraph
 from ...strategy import Strategy
-from ..local import Placed, place, replica_envs, replica_tables, weighted_loss
+from ..local import replica_envs, replica_tables, weighted_loss
+from ..programs import Placed, place
 from ..shards import Feed, Piece, plan_feed
 from ..step import PlacedStep
 from ..tune import Tuner

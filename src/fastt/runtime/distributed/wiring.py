@@ -13,7 +13,7 @@ from torch.utils._pytree import TreeSpec
 from ...errors import FasttError
 from ...lower import JOIN, PART, Lowered, Task
 from ...split import run_part
-from ..local import Programs, Segment
+from ..programs import Programs, Segment
 from .collectives import Bounds, ReduceCall, frozen, order_collectives
 from .packing import Leaf
 
