@@ -300,7 +300,10 @@ def test_random_steps_with_tight_memory(g: OpGraph, n: int, slack: float, name: 
     s = PLANNERS[name](g, cl)
     s.validate(g)
     simulate(g, s, cl, plan_costs(g, cl).times)
-    if slack == 1.0:
+    # Baechi's m-TOPO caps each device at its own capacity (total/devices + the largest op) and then puts a
+    # parameter's update, with its state, where the parameter went, which can overflow that device: hypothesis
+    # found 8 bytes against 7 on 3 devices. Its own guarantee is test_m_topo_respects_the_cap's.
+    if slack == 1.0 and name != "m-topo":
         assert max(static_use(g, s)) <= limit
 
 
