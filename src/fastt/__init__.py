@@ -8,8 +8,8 @@ import sys as _sys
 @_contextlib.contextmanager
 def _start_up():
     """Loading fastt's modules (torch takes seconds). Ctrl-C meanwhile, in the `fastt` command (its script, or
-    `python -m fastt.…`, whose argv[0] is "-m" while its packages load), ends it in one line with exit code 130,
-    as it does later on; a program that imports fastt gets its KeyboardInterrupt as usual."""
+    `python -m fastt.…`, whose argv[0] is "-m" while its packages load), ends it in one line with exit code
+    130, as it does later on; a program that imports fastt gets its KeyboardInterrupt as usual."""
     try:
         yield
     except KeyboardInterrupt:

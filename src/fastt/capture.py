@@ -226,8 +226,8 @@ class Step:
                 for shape, dtype in self.structure["the batch's shapes and dtypes"]]
         why = batch_mismatch(batch, want)
         if why:
-            raise FasttError(f"{why}: pass a batch like the example inputs the step was captured with, or capture "
-                             "again with such a batch")
+            raise FasttError(f"{why}: pass a batch like the example inputs the step was captured with, or "
+                             "capture again with such a batch")
         share = [x[:x.shape[0] // replicas] if replicas > 1 and x.dim() else x for x in batch]
         changed = _changed(self.structure, _structure(model, optimizer, share))
         if changed:
@@ -316,8 +316,8 @@ def batch_mismatch(batch: Sequence[object], want: Sequence[tuple[tuple[int, ...]
     """Why the tensors passed to a step are not `want`'s (shape, dtype) each, naming the first argument that
     differs; '' when they are."""
     if len(batch) != len(want):
-        return (f"step(...) got {len(batch)} argument(s), the captured step takes {len(want)} (the model's inputs, "
-                "then the target)")
+        return (f"step(...) got {len(batch)} argument(s), the captured step takes {len(want)} (the model's "
+                "inputs, then the target)")
     for i, (x, (shape, dtype)) in enumerate(zip(batch, want)):
         if not isinstance(x, torch.Tensor):
             return f"step(...) argument {i} is of type {type(x).__name__}, not a tensor"
@@ -400,7 +400,8 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys,
             tensors = {f"model.{n}": t for n, t in [*zip(names, ps), *zip(buffer_names, bufs)]}
             loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise FasttError("loss_fn must return a scalar tensor (reduce the loss with a mean or a sum), got "
+                raise FasttError("loss_fn must return a scalar tensor "
+                                 "(reduce the loss with a mean or a sum), got "
                                  + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                                     else type(loss).__name__))
             return loss * weight.to(loss.dtype), loss
@@ -422,19 +423,20 @@ def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys,
 @contextlib.contextmanager
 def _portable_kernels():
     """Trace composite ops (nn.LSTM, batch norm) into their native aten decomposition, not oneDNN's or cuDNN's
-    fused kernels (`mkldnn_rnn_layer`, `_cudnn_rnn`, whose weights cannot be traced with fake tensors): the graph
-    must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks the
-    oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one aten op
-    either way and still run on cuDNN.)"""
+    fused kernels (`mkldnn_rnn_layer`, `_cudnn_rnn`, whose weights cannot be traced with fake tensors): the
+    graph must run on any device, and its per-timestep ops are what a planner places. Eager CPU training picks
+    the oneDNN kernel, which rounds differently; with it off they match bit for bit. (Convolutions are one
+    aten op either way and still run on cuDNN.)"""
     with fused_kernels(False):
         yield
 
 
 @contextlib.contextmanager
 def fused_kernels(enabled: bool) -> Iterator[None]:
-    """`torch.backends.mkldnn.flags(enabled=...)` and cuDNN's, quietly: on a build without Intel GPU support the
-    mkldnn flags warn, on entry and on exit, that "TF32 acceleration on top of oneDNN is available for Intel
-    GPUs" (a setting fastt leaves alone), which would be the only line on stderr of every `fastt run`."""
+    """`torch.backends.mkldnn.flags(enabled=...)` and cuDNN's, quietly: on a build without Intel GPU support
+    the mkldnn flags warn, on entry and on exit, that "TF32 acceleration on top of oneDNN is available for
+    Intel GPUs" (a setting fastt leaves alone), which would be the only line on stderr of every
+    `fastt run`."""
     flags = contextlib.ExitStack()
     with _no_tf32_note():
         flags.enter_context(torch.backends.mkldnn.flags(enabled=enabled))

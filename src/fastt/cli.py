@@ -52,7 +52,8 @@ def check_writable(*paths: str | None) -> None:
             with open(target, "a"):
                 pass
         except OSError as e:
-            raise FasttError(f"cannot write {path}: {e.strerror}; give a path in a folder you can write") from None
+            raise FasttError(f"cannot write {path}: {e.strerror}; "
+                             "give a path in a folder you can write") from None
         if not existed:
             target.unlink()
 
@@ -63,7 +64,8 @@ def load_graph(spec: str, size: str, batch: int | None, optimizer: str | None) -
     return api.capture(model, loss_fn, opt, inputs, name=name)
 
 
-def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy, cost_file: str | None) -> MeasuredCosts:
+def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy,
+                   cost_file: str | None) -> MeasuredCosts:
     """Op times measured on this CPU for the graphs `strategy` runs (the step at batch/replicas), cached in
     `cost_file` when given."""
     if cost_file and Path(cost_file).is_file():
@@ -90,7 +92,8 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
     check_models(models)
     rows = []
     # Only on a terminal (disable=None), and cleared on an error, so that a failure leaves one line on stderr.
-    bar = tqdm(total=len(models) * len(planners), desc="compare", disable=None if progress else True, file=sys.stderr)
+    bar = tqdm(total=len(models) * len(planners), desc="compare", disable=None if progress else True,
+               file=sys.stderr)
     try:
         rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar, budget_s)
     except BaseException:
@@ -140,9 +143,9 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
 
 def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str | None,
                     budget_s: float | None = None) -> list[dict]:
-    """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan the
-    simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch is a
-    capture of its own, shared by the planners."""
+    """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan
+    the simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch
+    is a capture of its own, shared by the planners."""
     n = len(cl.devices)
     graphs: dict[int | None, OpGraph] = {None: load_graph(model, size, None, optimizer)}
 
@@ -190,18 +193,21 @@ def _largest(start: int, n: int, fits) -> int:
 
 def format_largest(rows: list[dict], cl: Cluster) -> str:
     dp = {r["model"]: r for r in rows if r["planner"] == "dp"}
-    out = [f"largest batch that fits on {cl.name} ({len(cl.devices)} x {_gb(cl.devices[0].memory_bytes):g} GB), simulated",
+    out = [(f"largest batch that fits on {cl.name} "
+            f"({len(cl.devices)} x {_gb(cl.devices[0].memory_bytes):g} GB), simulated"),
            f"{'model':<12}{'planner':<12}{'max batch':>10}{'iter ms':>10}{'samples/s':>11}{'vs DP':>8}"]
     for r in rows:
         base = dp.get(r["model"])
         vs = f"{r['max_batch'] / base['max_batch']:.2f}x" if base and base["max_batch"] else "-"
         it = f"{r['iteration_s'] * 1e3:.1f}" if r["iteration_s"] else "-"
-        out.append(f"{r['model']:<12}{r['planner']:<12}{r['max_batch']:>10}{it:>10}{r['samples_per_s']:>11.1f}{vs:>8}")
+        out.append(f"{r['model']:<12}{r['planner']:<12}{r['max_batch']:>10}{it:>10}"
+                   f"{r['samples_per_s']:>11.1f}{vs:>8}")
     return "\n".join(out)
 
 
 def format_table(rows: list[dict], cl: Cluster) -> str:
-    head = ("model", "planner", "batch", "iter ms", "vs DP", "/LB", "plan s", "peak GB per device", "fits", "splits")
+    head = ("model", "planner", "batch", "iter ms", "vs DP", "/LB", "plan s", "peak GB per device", "fits",
+            "splits")
     nodes = len({d.node for d in cl.devices})
     head += ("inter-node GB",) if nodes > 1 else ()
     lines = []
@@ -219,7 +225,8 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
             + (f" in {nodes} nodes" if nodes > 1 else "") + f", {_gb(cl.devices[0].memory_bytes):g} GB each"),
            fmt.format(*head)]
     out += [fmt.format(*line) for line in lines]
-    out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in planned if not r["fits"]]
+    out += [f"  {r['model']}/{r['planner']} does not fit: {'; '.join(r['oom'])}" for r in planned
+            if not r["fits"]]
     out += [f"  {r['model']}/{r['planner']}: no plan ({r['skipped']})" for r in rows if "skipped" in r]
     return "\n".join(out)
 
@@ -257,8 +264,9 @@ def cmd_plan(a: argparse.Namespace) -> None:
                "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes,
                "layers": [{"layers": names, "held_on": devs} for names, devs in held]}
     print(json.dumps(summary) if a.json else
-          f"{model_name(a.model)} on {a.cluster} with {a.planner}: {tl.iteration_s * 1e3:.1f} ms per iteration"
-          f"{'' if tl.fits else ' (does not fit)'}; {graph.fx_nodes} aten nodes grouped into {len(graph.ops)} ops"
+          f"{model_name(a.model)} on {a.cluster} with {a.planner}: "
+          f"{tl.iteration_s * 1e3:.1f} ms per iteration{'' if tl.fits else ' (does not fit)'}; "
+          f"{graph.fx_nodes} aten nodes grouped into {len(graph.ops)} ops"
           + (f"; strategy written to {a.out}" if a.out else "")
           + "".join(f"\n  {names}: {devs}" for names, devs in held))
 
@@ -284,20 +292,20 @@ def cmd_simulate(a: argparse.Namespace) -> None:
         write_trace(tl, g, a.trace)
     if a.gantt:
         write_gantt(tl, g, a.gantt)
-    summary = {"model": a.model, "cluster": a.cluster, "planner": strategy.planner, "iteration_s": tl.iteration_s,
-               "lower_bound_s": tl.lower_bound_s, "fits": bool(tl.fits), "oom": list(tl.oom),
-               "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
+    summary = {"model": a.model, "cluster": a.cluster, "planner": strategy.planner,
+               "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s, "fits": bool(tl.fits),
+               "oom": list(tl.oom), "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
                "busy_s": [float(b) for b in tl.busy_s], "critical_path_ops": len(tl.critical_path),
                "inter_node_bytes": inter_node_bytes(tl, cl),
                "trace": a.trace, "gantt": a.gantt}
     if a.json:
         print(json.dumps(summary))
         return
-    print(f"{model_name(a.model)} on {cl.name} ({strategy.planner}): {tl.iteration_s * 1e3:.2f} ms per iteration, "
-          f"lower bound {tl.lower_bound_s * 1e3:.2f} ms")
+    print(f"{model_name(a.model)} on {cl.name} ({strategy.planner}): {tl.iteration_s * 1e3:.2f} ms per "
+          f"iteration, lower bound {tl.lower_bound_s * 1e3:.2f} ms")
     for d, dev in enumerate(cl.devices):
-        print(f"  {dev.name}: busy {tl.busy_s[d] * 1e3:.1f} ms, peak memory {_gb(tl.peak_memory_bytes[d]):g} GB"
-              f" of {_gb(dev.memory_bytes):g} GB")
+        print(f"  {dev.name}: busy {tl.busy_s[d] * 1e3:.1f} ms, "
+              f"peak memory {_gb(tl.peak_memory_bytes[d]):g} GB of {_gb(dev.memory_bytes):g} GB")
     print("  fits" if tl.fits else "  DOES NOT FIT: " + "; ".join(tl.oom))
     for path in (a.trace, a.gantt):
         if path:
@@ -329,7 +337,8 @@ def cmd_run(a: argparse.Namespace) -> None:
         torch.manual_seed(0)
         return load_workload(a.model, a.size, a.batch, a.optimizer)
 
-    # The captured LSTM is the native decomposition: the eager reference runs the same kernels (oneDNN, cuDNN off).
+    # The captured LSTM is the native decomposition: the eager reference runs the same kernels
+    # (oneDNN, cuDNN off).
     with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
     print(json.dumps(out) if a.json else format_run(out))
@@ -337,19 +346,22 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def warn_oversubscribed(devices: str) -> None:
     """One line on stderr where `cpu:N` asks for more worker devices (or ranks) than this process has cores:
-    they run, each waiting for a core, so their measured times say little about a machine that has the cores."""
+    they run, each waiting for a core, so their measured times say little
+    about a machine that has the cores."""
     m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower())
     cores = cpu_threads(1)
     if m and int(m[1]) > cores:
         print(f"fastt: warning: {devices} runs {m[1]} worker devices on {cores} cores, so they wait for each "
-              f"other and the measured times read high; use cpu:{cores} or fewer for times that mean something",
+              f"other and the measured times read high; use cpu:{cores} or fewer "
+              "for times that mean something",
               file=sys.stderr, flush=True)
 
 
 def cmd_demo(a: argparse.Namespace) -> None:
     """The main job: a real run on this machine's CPU worker devices (fastt tuned in the first steps, FastT's
-    loop), a user's training loop around fastt (the digits example, small), then planners compared on simulated
-    GPU clusters, and the mixed plans where data parallelism is bound by the network between nodes."""
+    loop), a user's training loop around fastt (the digits example, small), then planners compared on
+    simulated GPU clusters, and the mixed plans where data parallelism is bound by the
+    network between nodes."""
     from .examples import digits
     from .runtime.bench import run_planners
 
@@ -381,7 +393,8 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
     p.add_argument("--model", required=True, help="zoo model name(s) or path/to/file.py:function")
     p.add_argument("--cluster", required=cluster_default is None, default=cluster_default,
                    help="cpu:N, cuda, NxGPU[-link] (4xV100, 8xA100-pcie), MxNxGPU, or a JSON file")
-    p.add_argument("--size", default="paper", choices=("test", "paper"), help="zoo model size (default paper)")
+    p.add_argument("--size", default="paper", choices=("test", "paper"),
+                   help="zoo model size (default paper)")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="batch size (default: the size's; a file model's function gets it as its `batch`)")
     p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"),
@@ -413,23 +426,27 @@ def parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--planners", default=",".join(PLANNERS))
     p.add_argument("--max-batch", action="store_true",
-                   help="the largest batch each planner's plan fits, and its samples/s (a capture per batch tried)")
+                   help="the largest batch each planner's plan fits, and its samples/s "
+                        "(a capture per batch tried)")
     p.set_defaults(fn=cmd_compare)
     p = sub.add_parser("run", help="train for real on local devices: measured vs simulated time per planner")
     p.add_argument("--model", required=True, help="zoo model name or path/to/file.py:function")
-    p.add_argument("--devices", default="cpu:2", help="cpu:N, or local GPUs: cuda, cuda:0,1 (cuda:0,0: two streams of one GPU)")
-    p.add_argument("--planners", default="fastt,dp,single,eager", help="planners, and eager for plain PyTorch")
+    p.add_argument("--devices", default="cpu:2",
+                   help="cpu:N, or local GPUs: cuda, cuda:0,1 (cuda:0,0: two streams of one GPU)")
+    p.add_argument("--planners", default="fastt,dp,single,eager",
+                   help="planners, and eager for plain PyTorch")
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--check", action="store_true",
-                   help="also take every step in plain one-device eager PyTorch from the same state and compare "
-                        "the parameters")
+                   help="also take every step in plain one-device eager PyTorch from the same state and "
+                        "compare the parameters")
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--launcher", default="local", choices=("local", "torchrun"),
                    help="local: one process, a thread per device; torchrun: one process per device, gloo on "
-                        "cpu:N, NCCL on cuda (python -m fastt.launch; multi-node: run torchrun yourself on every "
-                        "node)")
-    p.add_argument("--timeout", type=positive_float, default=20.0, help="torchrun: seconds a rank waits for a peer")
+                        "cpu:N, NCCL on cuda (python -m fastt.launch; multi-node: run torchrun yourself on "
+                        "every node)")
+    p.add_argument("--timeout", type=positive_float, default=20.0,
+                   help="torchrun: seconds a rank waits for a peer")
     training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=positive_int, default=None)
@@ -453,8 +470,8 @@ def _terminated(signum: int, _frame) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `fastt` command: a FasttError is one line on stderr and exit code 2, an interrupt one line and 128 +
-    the signal (130 for Ctrl-C); FASTT_DEBUG=1 shows their tracebacks instead."""
+    """The `fastt` command: a FasttError is one line on stderr and exit code 2, an interrupt one line
+    and 128 + the signal (130 for Ctrl-C); FASTT_DEBUG=1 shows their tracebacks instead."""
     debug = os.environ.get("FASTT_DEBUG") == "1"
     try:
         args = parser().parse_args(argv)

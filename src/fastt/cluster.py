@@ -54,9 +54,9 @@ class Cluster:
 
     Gradients are averaged by a ring allreduce (NCCL's: the links move 2(n-1)/n of the bytes and reduce on the
     way) unless `gather` is set: fastt's distributed runtime, whose ranks average by collectives that sum in
-    replica order. `gather` = (latency s, s per byte, s per gradient tensor) of one average between two devices,
-    fitted on measured ones; n devices take (n-1)·latency + 2(n-1)/n·bytes·(s per byte) + tensors·(s per tensor),
-    as the runtime's sharded sum goes (`allreduce_cost`)."""
+    replica order. `gather` = (latency s, s per byte, s per gradient tensor) of one average between two
+    devices, fitted on measured ones; n devices take (n-1)·latency + 2(n-1)/n·bytes·(s per byte)
+    + tensors·(s per tensor), as the runtime's sharded sum goes (`allreduce_cost`)."""
 
     name: str
     devices: tuple[Device, ...]
@@ -83,9 +83,9 @@ class Cluster:
 
         Ring: each of the 2(n-1) steps moves bytes/n between neighbours: 2(n-1)/n · bytes / slowest bandwidth,
         plus one route latency per step (the largest, since all neighbours step together).
-        Fitted (`gather`, fastt's distributed runtime): the two-device average scaled to n as its sharded sum goes
-        (an all_to_all, then an all_gather): 2(n-1)/n of the bytes, n-1 latencies, the per-tensor work once; it
-        occupies the links between all of them.
+        Fitted (`gather`, fastt's distributed runtime): the two-device average scaled to n as its sharded
+        sum goes (an all_to_all, then an all_gather): 2(n-1)/n of the bytes, n-1 latencies, the per-tensor
+        work once; it occupies the links between all of them.
         """
         n = len(group)
         if n == 1:
@@ -105,7 +105,8 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """The JSON file form of this cluster (what `cluster(path)` reads back into an equal Cluster)."""
         links: list[dict[str, Any]] = [
-            {"name": lk.name, "bandwidth": lk.bandwidth, "latency": lk.latency, "pairs": []} for lk in self.links
+            {"name": lk.name, "bandwidth": lk.bandwidth, "latency": lk.latency, "pairs": []}
+            for lk in self.links
         ]
         multi: dict[str, list[str]] = {}
         for (src, dst), route in self.routes.items():
@@ -113,7 +114,8 @@ class Cluster:
                 links[route[0]]["pairs"].append([src, dst])
             else:
                 multi[f"{src},{dst}"] = [self.links[k].name for k in route]
-        out: dict[str, Any] = {"name": self.name, "devices": [asdict(d) for d in self.devices], "links": links}
+        out: dict[str, Any] = {"name": self.name, "devices": [asdict(d) for d in self.devices],
+                               "links": links}
         if multi:
             out["routes"] = multi
         if self.gather is not None:
@@ -133,21 +135,23 @@ def with_links(cluster: Cluster, links: Sequence[Link]) -> Cluster:
     """A copy of cluster with its links replaced one for one (e.g. refit by regression); routes are kept."""
     links = tuple(links)
     if len(links) != len(cluster.links):
-        raise FasttError(f"with_links: cluster {cluster.name!r} has {len(cluster.links)} links, got {len(links)}")
+        raise FasttError(f"with_links: cluster {cluster.name!r} has {len(cluster.links)} links, "
+                         f"got {len(links)}")
     return replace(cluster, links=links)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Spec parsing
 
-SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100, H200), "
-              "MxNxGPU[-link][@RATE] (RATE: the network between nodes, e.g. 25Gbps, 400Mbps, 12.5GB/s), "
-              "or a JSON file path")
+SPEC_FORMS = ("cpu:N, cuda, cuda:0,1, NxGPU[-nvlink|-pcie] (GPU: V100, V100-32GB, A100, A100-80GB, H100, "
+              "H200), MxNxGPU[-link][@RATE] (RATE: the network between nodes, e.g. 25Gbps, 400Mbps, "
+              "12.5GB/s), or a JSON file path")
 _RATE_UNITS = {"gbps": 1e9 / 8, "gbit": 1e9 / 8, "mbps": 1e6 / 8, "mbit": 1e6 / 8, "gb/s": 1e9, "mb/s": 1e6}
 
 
 def rate(text: str) -> float:
-    """Bytes/s of a rate such as `25Gbps`, `1gbit`, `400Mbps` or `12.5GB/s` (bits for bps/bit, bytes for B/s)."""
+    """Bytes/s of a rate such as `25Gbps`, `1gbit`, `400Mbps` or `12.5GB/s`
+    (bits for bps/bit, bytes for B/s)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z/]+)", text.strip().lower())
     if not m or m[2] not in _RATE_UNITS or float(m[1]) <= 0:
         raise FasttError(f"bad rate {text!r}: expected a positive number and a unit, e.g. 25Gbps, 400Mbps, "
@@ -202,7 +206,7 @@ def check_count(n: int, what: str, total: int | None = None) -> None:
                          f"(at most {MAX_DEVICES}); plan fewer devices")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Local CPU worker devices
 
 CPU_FLOPS_PER_CORE = 32 * 2.5e9  # AVX2 FP32: 2 FMA units x 8 lanes x 2 FLOP per cycle at ~2.5 GHz
@@ -246,7 +250,7 @@ def cpu_cluster(n: int) -> Cluster:
     return Cluster(f"cpu:{n}", tuple(dev), tuple(links), routes)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # GPU presets. Memory is in GiB (2**30 bytes): the HBM stacks are binary-sized, and what torch reports as
 # total_memory is a little under it. Bandwidths are bytes/s per direction.
 
@@ -267,19 +271,20 @@ class GpuPreset:
 
 GiB = 2**30
 # NVIDIA Tesla V100 GPU Accelerator data sheet (2018), SXM2: 15.7 TFLOP/s FP32, 900 GB/s HBM2, 16/32 GB.
-# NVLink2 as in "NVIDIA DGX-1 With Tesla V100 System Architecture" white paper (2017): 25 GB/s per direction per
-# link; the hybrid cube-mesh is approximated as one dedicated link per GPU pair. PCIe Gen3 x16 15.75 GB/s raw,
-# ~12 GB/s usable. NIC: 100 Gb/s EDR InfiniBand (DGX-1).
+# NVLink2 as in "NVIDIA DGX-1 With Tesla V100 System Architecture" white paper (2017): 25 GB/s per direction
+# per link; the hybrid cube-mesh is approximated as one dedicated link per GPU pair. PCIe Gen3 x16 15.75 GB/s
+# raw, ~12 GB/s usable. NIC: 100 Gb/s EDR InfiniBand (DGX-1).
 _V100 = GpuPreset("V100", 15.7e12, 900e9, 16 * GiB, 25e9, False, 12e9, 12.5e9)
 # NVIDIA A100 Tensor Core GPU data sheet (2021), SXM: 19.5 TFLOP/s FP32, 40GB HBM2 1,555 GB/s,
 # 80GB HBM2e 2,039 GB/s, NVLink3 600 GB/s (300 per direction) via NVSwitch, PCIe Gen4 x16 31.5 GB/s raw
 # (~24 usable). NIC: 200 Gb/s HDR InfiniBand (DGX A100).
 _A100 = GpuPreset("A100", 19.5e12, 1555e9, 40 * GiB, 300e9, True, 24e9, 25e9)
 # NVIDIA H100 Tensor Core GPU data sheet (2023), SXM: 67 TFLOP/s FP32, 80GB HBM3 3.35 TB/s, NVLink4 900 GB/s
-# (450 per direction) via NVSwitch, PCIe Gen5 x16 63 GB/s raw (~50 usable). NIC: 400 Gb/s NDR InfiniBand (DGX H100).
+# (450 per direction) via NVSwitch, PCIe Gen5 x16 63 GB/s raw (~50 usable).
+# NIC: 400 Gb/s NDR InfiniBand (DGX H100).
 _H100 = GpuPreset("H100", 67e12, 3.35e12, 80 * GiB, 450e9, True, 50e9, 50e9)
-# NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: the H100's compute (67 TFLOP/s FP32) with 141 GB HBM3e at
-# 4.8 TB/s; NVLink4 900 GB/s via NVSwitch, PCIe Gen5, 400 Gb/s NDR InfiniBand as the H100.
+# NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: the H100's compute (67 TFLOP/s FP32) with 141 GB HBM3e
+# at 4.8 TB/s; NVLink4 900 GB/s via NVSwitch, PCIe Gen5, 400 Gb/s NDR InfiniBand as the H100.
 _H200 = GpuPreset("H200", 67e12, 4.8e12, 141 * 10**9, 450e9, True, 50e9, 50e9)
 GPU_PRESETS: dict[str, GpuPreset] = {
     "v100": _V100, "v100-16gb": _V100,
@@ -289,7 +294,8 @@ GPU_PRESETS: dict[str, GpuPreset] = {
     "h100": _H100, "h100-80gb": _H100,
     "h200": _H200,
 }
-# Unknown GPUs (cuda specs only): a conservative guess, below every preset; fastt.cost measures real ops anyway.
+# Unknown GPUs (cuda specs only): a conservative guess, below every preset;
+# fastt.cost measures real ops anyway.
 _UNKNOWN_GPU = GpuPreset("GPU", 10e12, 500e9, 8 * GiB, 25e9, False, 12e9, 12.5e9)
 NVLINK_LATENCY = 5e-6  # per route; split over the two hops of an NVSwitch route
 PCIE_LATENCY = 1e-5  # per route; split over the up- and down-link
@@ -324,8 +330,8 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: flo
     sender's egress link then the receiver's ingress link) or over PCIe (route = sender's up-link then
     receiver's down-link to the host switch). Between nodes the route is (NIC out of the sending node, NIC in
     of the receiving node); the PCIe hop to the NIC is left out because it is faster than the NIC and is
-    assumed not to be the bottleneck. `nic` (bytes/s per direction) replaces the preset's InfiniBand NIC, e.g. for
-    Ethernet between nodes (its latency stays the preset's).
+    assumed not to be the bottleneck. `nic` (bytes/s per direction) replaces the preset's InfiniBand NIC, e.g.
+    for Ethernet between nodes (its latency stays the preset's).
     """
     p = GPU_PRESETS.get(gpu.lower())
     if p is None or link not in ("nvlink", "pcie"):
@@ -375,8 +381,9 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
     """The local CUDA GPUs (all, or those in ids) as a Cluster of kind "cuda" devices.
 
     A GPU named more than once (`cuda:0,0`) becomes that many devices on one GPU, each its own CUDA stream
-    (named `cuda:0`, `cuda:0/1`, ...), sharing its memory equally; a hand-off between them moves no data (a stream
-    waits for an event), costed as a copy within the GPU's memory. It runs the multi-device runtime on one GPU.
+    (named `cuda:0`, `cuda:0/1`, ...), sharing its memory equally; a hand-off between them moves no data
+    (a stream waits for an event), costed as a copy within the GPU's memory. It runs the multi-device
+    runtime on one GPU.
     """
     import torch  # local: importing fastt.cluster stays cheap
 
@@ -414,6 +421,6 @@ def torch_device(dev: Device) -> str:
     GPU (`cuda:0`; streams of one GPU: `cuda:0/1`; a rank of the distributed runtime: `rank:2@cuda:0`)."""
     gpu = re.search(r"cuda:\d+", dev.name) if dev.kind == "cuda" else None
     if dev.kind != "cpu" and gpu is None:
-        raise FasttError(f"device {dev.name} is simulated: the local runtime runs cpu:N or local cuda devices "
-                         "(simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
+        raise FasttError(f"device {dev.name} is simulated: the local runtime runs cpu:N or local cuda "
+                         "devices (simulated GPUs such as 4xV100 are for fastt plan/simulate/compare)")
     return "cpu" if gpu is None else gpu[0]

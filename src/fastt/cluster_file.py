@@ -1,5 +1,5 @@
-"""The JSON file form of a Cluster, read back (`Cluster.to_dict` and `save` write it): every field checked, so that
-a bad file is one FasttError naming the device or link and the field, never a planner's failure later."""
+"""The JSON file form of a Cluster, read back (`Cluster.to_dict` and `save` write it): every field checked, so
+that a bad file is one FasttError naming the device or link and the field, never a planner's failure later."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
 
     Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?}. Each
     link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
-    the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every ordered
-    pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per byte, s per
-    tensor] (see Cluster). Every number must be finite and at most `MAX_VALUE`; anything else is a FasttError
-    naming the field.
+    the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every
+    ordered pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per
+    byte, s per tensor] (see Cluster). Every number must be finite and at most `MAX_VALUE`; anything else is a
+    FasttError naming the field.
     """
     def fail(msg: str) -> FasttError:
         return FasttError(f"{where}: {msg}")
@@ -95,7 +95,8 @@ def _link(lk: Mapping[str, Any], k: int, fail: Callable[[str], FasttError]) -> L
 
 def _routes(data: Mapping[str, Any], devices: Sequence[Device], links: Sequence[Link],
             fail: Callable[[str], FasttError]) -> dict[tuple[int, int], tuple[int, ...]]:
-    """Every ordered pair of distinct devices' route: the links whose "pairs" name it, or the "routes" entry."""
+    """Every ordered pair of distinct devices' route: the links whose "pairs" name it,
+    or the "routes" entry."""
     dev_index = {d.name: i for i, d in enumerate(devices)}
     link_index = {lk.name: k for k, lk in enumerate(links)}
 

@@ -173,9 +173,9 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
     inputs = tuple(x[:graph.batch] for x in example_inputs)
     want = [dtype for _, dtype in graph.fx.structure.get("the batch's shapes and dtypes", ())]
     if want and [x.dtype for x in inputs] != want:  # else a worker's KeyError or a kernel's dtype complaint
-        raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of {[str(x.dtype) for x in inputs]}, "
-                         f"the captured step takes {len(want)} of {[str(d) for d in want]}: pass inputs like those "
-                         "it was captured with")
+        raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of "
+                         f"{[str(x.dtype) for x in inputs]}, the captured step takes {len(want)} of "
+                         f"{[str(d) for d in want]}: pass inputs like those it was captured with")
     params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
     kind = "cuda" if params and params[0].is_cuda else "cpu"
     return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads,
@@ -215,8 +215,8 @@ def fit_transfers(sizes: Sequence[float], seconds: Sequence[float],
 def measure_copies(sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 5,
                    threads: int = 1) -> tuple[list[int], list[float]]:
     """Seconds to copy buffers of each size between two CPU worker devices (a memcpy here), the fastest of
-    `repeats`: noise only adds time, and one preempted copy in a median of few made a small size look slower than
-    a large one on a loaded machine (the fit then refused to find a bandwidth)."""
+    `repeats`: noise only adds time, and one preempted copy in a median of few made a small size look slower
+    than a large one on a loaded machine (the fit then refused to find a bandwidth)."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -259,9 +259,10 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
     finally:
         torch.set_num_threads(old)
     sizes, secs = measure_copies(threads=threads)
-    # A larger copy is never faster than a smaller one: a dip is noise. On a loaded machine a copy large enough
-    # to run on several threads waits for a scheduler slice at its barrier (8 ms for 1 MB, then 5 ms for 16 MB,
-    # measured here with two other jobs running), which a line fitted through the dip would read as no bandwidth.
+    # A larger copy is never faster than a smaller one: a dip is noise. On a loaded machine a copy large
+    # enough to run on several threads waits for a scheduler slice at its barrier (8 ms for 1 MB, then 5 ms
+    # for 16 MB, measured here with two other jobs running), which a line fitted through the dip would read as
+    # no bandwidth.
     latency, bandwidth = fit_transfers(sizes, np.maximum.accumulate(secs))
     # A copy of n bytes reads n and writes n: memory moves twice the copied bytes.
     devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead)

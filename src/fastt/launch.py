@@ -6,18 +6,19 @@
 Every rank builds the same workload (seed 0) and trains on its own shard of every batch (rows
 [r·B/world, (r+1)·B/world) of a batch of B, the model's example batch size): of batches like the example one
 (`batch_like`), or with `--data FILE.py:FUNCTION` of the torch Dataset that function returns, read through a
-`DistributedSampler` (shuffled, seed 0, a new order every epoch) and a DataLoader of B/world samples, as a
-DDP training script reads it. `--check` compares every step with the plain one-device eager step on the
-whole batch (with `--data`, the ranks' shards gathered). Rank 0 prints the result (as `fastt run` does) and, with `--out`,
-writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
+`DistributedSampler` (shuffled, seed 0, a new order every epoch) and a DataLoader of B/world samples, as a DDP
+training script reads it. `--check` compares every step with the plain one-device eager step on the whole
+batch (with `--data`, the ranks' shards gathered). Rank 0 prints the result (as `fastt run` does) and, with
+`--out`, writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
 rendezvous endpoint, as usual. A rank that fails or loses a peer exits non-zero with a message naming the rank
 that failed first; `--timeout` bounds how long a rank waits for a peer.
 
-`--tune`: `fastt` starts data-parallel and tunes its plan in the first steps (FastT's loop, as `fastt run --tune`
-does locally): rank 0's tuner sees every rank's segment times; when it switches plans, every rank does, taking
-rank 0's model and optimizer state.
+`--tune`: `fastt` starts data-parallel and tunes its plan in the first steps (FastT's loop, as
+`fastt run --tune` does locally): rank 0's tuner sees every rank's segment times; when it switches plans,
+every rank does, taking rank 0's model and optimizer state.
 
-`FASTT_FAULT=RANK:STEP:kill|raise` makes that rank die (SIGKILL) or raise at the start of that step (fault tests).
+`FASTT_FAULT=RANK:STEP:kill|raise` makes that rank die (SIGKILL) or raise at the start of that step
+(fault tests).
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ def _use_gpu() -> None:
 
 
 def fault_spec(text: str) -> tuple[int, int, str] | None:
-    """FASTT_FAULT's (rank, step, kill|raise), None when it is empty; a FasttError saying the form otherwise."""
+    """FASTT_FAULT's (rank, step, kill|raise), None when it is empty;
+    a FasttError saying the form otherwise."""
     if not text:
         return None
     m = re.fullmatch(r"(\d+):(\d+):(kill|raise)", text.strip())
     if m is None:
-        raise FasttError(f"FASTT_FAULT={text!r}: expected RANK:STEP:kill or RANK:STEP:raise (e.g. 1:2:kill), or "
-                         "leave it unset")
+        raise FasttError(f"FASTT_FAULT={text!r}: expected RANK:STEP:kill or RANK:STEP:raise (e.g. 1:2:kill), "
+                         "or leave it unset")
     return int(m[1]), int(m[2]), m[3]
 
 
@@ -70,15 +72,17 @@ def _fault(rank: int, step: int) -> None:
     r, s, what = spec
     if r == rank and s == step:
         if what == "kill":
-            print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr, flush=True)
+            print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr,
+                  flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
 
 
 def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data.DataLoader | None,
-            device: torch.device, whole: bool) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
-    """`steps` batches, like `inputs` or from `loader` (this rank's, from its first epoch): this rank's shard of
-    each and, if `whole`, the whole batch (a collective then)."""
+            device: torch.device, whole: bool
+            ) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+    """`steps` batches, like `inputs` or from `loader` (this rank's, from its first epoch): this rank's shard
+    of each and, if `whole`, the whole batch (a collective then)."""
     from .runtime.distributed import whole_batch
     from .runtime.reference import batch_like
     from .runtime.shards import shard_of
@@ -110,12 +114,13 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
     if not isinstance(data, Dataset):
         raise FasttError(f"--data {spec} returned {type(data).__name__}, not a torch.utils.data.Dataset")
     if batch % world:
-        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch divisible "
-                         f"by {world}")
+        raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch "
+                         f"divisible by {world}")
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch // world, sampler=sampler, drop_last=True)
     if not len(loader):
-        raise FasttError(f"--data {spec}: its {len(data)} samples make no batch of {batch} over {world} ranks")
+        raise FasttError(f"--data {spec}: its {len(data)} samples make no batch of {batch} "
+                         f"over {world} ranks")
     return loader
 
 
@@ -136,11 +141,14 @@ def train(args: argparse.Namespace) -> dict | None:
     cl = rank_cluster(device)
     results, worst, clip = [], 0.0, args.clip_grad_norm
     for planner in args.planners.split(","):
-        if planner == "eager":  # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
+        # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
+        if planner == "eager":
             _, model, loss_fn, opt, inputs = make()
-            results.append({"planner": "eager", "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs,
-                                                                                    args.steps, clip),
-                            "simulated_iteration_s": None, "error": None})
+            results.append({
+                "planner": "eager",
+                "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs, args.steps, clip),
+                "simulated_iteration_s": None, "error": None,
+            })
             continue
         results.append(_train_planner(args, planner, make, loader, cl))
         worst = max(worst, results[-1].get("max_step_rel_diff", 0.0))
@@ -158,8 +166,8 @@ def train(args: argparse.Namespace) -> dict | None:
 
 def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tuple],
                    loader: torch.utils.data.DataLoader | None, cl) -> dict:
-    """`args.steps` steps of `planner`'s plan from make()'s start: this rank's result row (timed on every rank,
-    checked against the eager step on rank 0)."""
+    """`args.steps` steps of `planner`'s plan from make()'s start: this rank's result row (timed on every
+    rank, checked against the eager step on rank 0)."""
     from .runtime.distributed import parallelize_distributed, rank_device
     from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
     from .runtime.trial import TRIAL_STEPS
@@ -248,12 +256,12 @@ def training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip the gradients' global norm to X every step (torch.nn.utils.clip_grad_norm_)")
     p.add_argument("--no-trial", dest="trial", action="store_false",
-                   help="keep fastt's plan unmeasured: no trial steps racing it against data parallelism before "
-                        "training (FastT's rule: the faster is kept)")
+                   help="keep fastt's plan unmeasured: no trial steps racing it against data parallelism "
+                        "before training (FastT's rule: the faster is kept)")
     p.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
-                   help="torchrun: train on the torch Dataset this function returns (items: the model's inputs "
-                        "and target), each rank reading its shard of every batch (DistributedSampler; batches of "
-                        "the model's example batch size)")
+                   help="torchrun: train on the torch Dataset this function returns (items: the model's "
+                        "inputs and target), each rank reading its shard of every batch (DistributedSampler; "
+                        "batches of the model's example batch size)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -267,18 +275,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--check", action="store_true",
-                   help="rank 0 also takes every step in plain one-device eager PyTorch from the same state and "
-                        "compares the parameters (per step: training amplifies rounding over the steps)")
+                   help="rank 0 also takes every step in plain one-device eager PyTorch from the same state "
+                        "and compares the parameters (per step: training amplifies rounding over the steps)")
     p.add_argument("--check-steps", action="store_true", help="the same as --check")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
     p.add_argument("--timeout", type=positive_float, default=20.0,
                    help="seconds a rank waits for a peer before giving up")
-    p.add_argument("--strategy", default=None, help="run this strategy file (fastt plan --out) instead of planning")
-    p.add_argument("--save-plans", default=None, help="rank 0 writes each planner's strategy to DIR/PLANNER.json")
+    p.add_argument("--strategy", default=None,
+                   help="run this strategy file (fastt plan --out) instead of planning")
+    p.add_argument("--save-plans", default=None,
+                   help="rank 0 writes each planner's strategy to DIR/PLANNER.json")
     p.add_argument("--tune", action="store_true",
-                   help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop; rank 0 "
-                        "decides, every rank switches) instead of racing its plan against DP before training")
+                   help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop; "
+                        "rank 0 decides, every rank switches) instead of racing its plan against DP before "
+                        "training")
     training_options(p)
     return p
 
@@ -304,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         out = train(args)
     except (RankError, FasttError, Exception) as e:  # noqa: BLE001 - every failure ends the job, named
         lost = isinstance(e, RuntimeError) and ("gloo" in str(e) or "NCCL" in str(e))  # a barrier lost a peer
-        msg = str(e) if isinstance(e, RankError) else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost)
+        msg = (str(e) if isinstance(e, RankError)
+               else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost))
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
         if rank == 0:
             await_reports()

@@ -143,11 +143,13 @@ def format_run(out: dict) -> str:
                      f"simulated {sim} ms  {err:>5}{setup}".rstrip())
     for r in out["results"]:
         if t := r.get("trial"):
-            rivals = [f"{name} {t[k] * 1e3:.1f} ms" for name, k in (("dp", "dp_s"), ("one device on every core",
-                      "one_device_s")) if t.get(k) is not None]
+            rivals = [f"{name} {t[k] * 1e3:.1f} ms"
+                      for name, k in (("dp", "dp_s"), ("one device on every core", "one_device_s"))
+                      if t.get(k) is not None]
             kept = "one device on every core" if t["kept"] == "single" else t["kept"]
-            lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, {', '.join(rivals)} a "
-                         f"step (median of {t['steps']}): kept {kept} (its setup time includes the trial)")
+            lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, "
+                         f"{', '.join(rivals)} a step (median of {t['steps']}): kept {kept} (its setup time "
+                         "includes the trial)")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:
         runs = len(tuned[0]["tuning"])

@@ -2,8 +2,8 @@
 
 torchrun and its ranks run in a process group of their own, their output in a log file (kept, and named in the
 error, only when the job fails), so that the command's stderr is its own one line. SIGINT and SIGTERM to fastt
-go to the whole group, and fastt waits for it to be gone: no rank outlives the command, and its temporary folder
-is removed.
+go to the whole group, and fastt waits for it to be gone: no rank outlives the command, and its temporary
+folder is removed.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
         with tempfile.TemporaryDirectory() as tmp, os.fdopen(fd, "w") as log:
             out_path = Path(tmp) / "run.json"
             # torchrun's own temporary files too, so that they go with the folder even when it is killed
-            rc = run_group(_torchrun_command(a, planners, nproc, device, out_path), {**env, "TMPDIR": tmp}, log)
+            rc = run_group(_torchrun_command(a, planners, nproc, device, out_path),
+                           {**env, "TMPDIR": tmp}, log)
             if rc != 0 or not out_path.is_file():
                 keep_log = True
-                raise FasttError(f"torchrun failed: {_rank_failure(Path(log_path))} (torchrun's log: {log_path})")
+                raise FasttError(f"torchrun failed: {_rank_failure(Path(log_path))} "
+                                 f"(torchrun's log: {log_path})")
             return json.loads(out_path.read_text())
     finally:
         if not keep_log:
@@ -53,8 +55,8 @@ def _torchrun_ranks(devices: str) -> tuple[int, str, dict[str, str]]:
     if m := re.fullmatch(r"cuda(?::(\d+(?:,\d+)*))?", spec):  # a GPU per rank: those named, or all
         ids = None if m[1] is None else [int(i) for i in m[1].split(",")]
         if ids is not None and len(set(ids)) < len(ids):
-            raise FasttError(f"--launcher torchrun runs one rank per GPU (NCCL cannot put two on one): {devices} "
-                             "names a GPU twice; use --launcher local for streams of one GPU")
+            raise FasttError("--launcher torchrun runs one rank per GPU (NCCL cannot put two on one): "
+                             f"{devices} names a GPU twice; use --launcher local for streams of one GPU")
         nproc = len(cuda_cluster(ids))
         if ids is not None:  # GPU LOCAL_RANK of each rank is the one named (ids count visible GPUs)
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -112,7 +114,8 @@ def run_group(cmd: Sequence[str], env: dict[str, str], log) -> int:
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        proc.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        proc.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True))
         if got:  # a signal while it started
             forward(got[0], None)
         while proc[0].poll() is None and not got:

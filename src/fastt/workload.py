@@ -53,12 +53,14 @@ def load_workload(spec: str, size: str, batch: int | None, optimizer: str | None
 
 
 def _workload_of(spec: str, got: object) -> tuple:
-    """`got` as (model, loss_fn, optimizer, example_inputs), or a FasttError saying what the function returned."""
+    """`got` as (model, loss_fn, optimizer, example_inputs),
+    or a FasttError saying what the function returned."""
     import torch
 
     want = "it must return (model, loss_fn, optimizer, example_inputs)"
     if not isinstance(got, (tuple, list)) or len(got) != 4:
-        what = f"{len(got)} items" if isinstance(got, (tuple, list)) else f"an object of type {type(got).__name__}"
+        what = (f"{len(got)} items" if isinstance(got, (tuple, list))
+                else f"an object of type {type(got).__name__}")
         raise FasttError(f"{spec} returned {what}: {want}")
     model, loss_fn, opt, inputs = got
     wrong = [f"{name} is of type {type(x).__name__}" for name, x, ok in (
@@ -67,8 +69,9 @@ def _workload_of(spec: str, got: object) -> tuple:
         ("example_inputs", inputs, isinstance(inputs, (tuple, list)) and len(inputs) > 0
          and all(isinstance(x, torch.Tensor) for x in inputs))) if not ok]
     if wrong:
-        raise FasttError(f"{spec} returned a wrong item ({wrong[0]}): {want}, a torch.nn.Module, a callable, a "
-                         "torch.optim.Optimizer and a non-empty tuple of tensors (the model's inputs, then the target)")
+        raise FasttError(f"{spec} returned a wrong item ({wrong[0]}): {want}, a torch.nn.Module, a callable, "
+                         "a torch.optim.Optimizer and a non-empty tuple of tensors (the model's inputs, then "
+                         "the target)")
     return model, loss_fn, opt, tuple(inputs)
 
 
@@ -89,8 +92,8 @@ def call_file(spec: str, **options: object) -> object:
         raise FasttError(f"{spec}: {path} has no function {fn_name!r}")
     for key, value in options.items():
         if not _takes(fn, key):
-            raise FasttError(f"--{key} {value}: {fn_name}() in {path} takes no {key!r} keyword argument; add one "
-                             f"(def {fn_name}({key}=...)) or leave out --{key}")
+            raise FasttError(f"--{key} {value}: {fn_name}() in {path} takes no {key!r} keyword argument; add "
+                             f"one (def {fn_name}({key}=...)) or leave out --{key}")
     try:
         return fn(**options)
     except FasttError:
@@ -105,5 +108,6 @@ def _takes(fn: object, key: str) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == key and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind == p.VAR_KEYWORD
+    return any(p.name == key and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind == p.VAR_KEYWORD
                for p in params)

@@ -1,13 +1,15 @@
-"""The spread search: every layer gets a `Spread` (mixed.py), by local search and an ILP solved by scipy's HiGHS.
+"""The spread search: every layer gets a `Spread` (mixed.py), by local search and an ILP solved by
+scipy's HiGHS.
 
 The batch is cut into one shard a device (R = n). A layer may take one of a few spreads: every device (data
-parallelism), the devices of one node (replicated there only) or one device (held once). What a choice costs is
-read from the step at batch/R, layer by layer (`SpreadCosts`):
+parallelism), the devices of one node (replicated there only) or one device (held once). What a choice costs
+is read from the step at batch/R, layer by layer (`SpreadCosts`):
 
-- compute: shards on a device x the layer's time a shard there, plus its update once on each device of the spread,
-  plus, on a device outside the spread, one shard's time in the layer: its shards pass through it elsewhere before
-  they come back (a pipeline's fill and drain);
-- the layer's gradient allreduce over its spread (`Cluster.allreduce_cost`), charged to every link the ring uses;
+- compute: shards on a device x the layer's time a shard there, plus its update once on each device of the
+  spread, plus, on a device outside the spread, one shard's time in the layer: its shards pass through it
+  elsewhere before they come back (a pipeline's fill and drain);
+- the layer's gradient allreduce over its spread (`Cluster.allreduce_cost`), charged to every link the
+  ring uses;
 - the activations and their gradients between two layers, moved for each shard whose devices differ under the
   two layers' spreads, charged to the links of that route (Alpa's resharding cost, per pair of choices);
 - memory on a device: the residents of the layers held there (parameters, optimizer state, buffers) and the
@@ -15,12 +17,12 @@ read from the step at batch/R, layer by layer (`SpreadCosts`):
 
 The objective is the step's makespan bound: T at least every device's compute and every link's traffic (they
 overlap), or, in the second model, a device's compute plus the busiest link it uses (they do not). Neither is
-the truth; the simulator is, and `fastt` (portfolio.best_plan) keeps whichever plan simulates fastest, beside the
-expert plans and OS-DPOS's. Layers are merged into blocks of consecutive layers (`blocks`) so that large models
-solve in seconds. Per objective, a local search from data parallelism (`descend`) and the ILP (`solve`) each
-give a pick, and the better one becomes a plan. In the ILP a pair of choices per edge is linearised by Alpa's
-trick: y[e, a, b] >= 0 with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only the x are
-integers.
+the truth; the simulator is, and `fastt` (portfolio.best_plan) keeps whichever plan simulates fastest, beside
+the expert plans and OS-DPOS's. Layers are merged into blocks of consecutive layers (`blocks`) so that large
+models solve in seconds. Per objective, a local search from data parallelism (`descend`) and the ILP (`solve`)
+each give a pick, and the better one becomes a plan. In the ILP a pair of choices per edge is linearised by
+Alpa's trick: y[e, a, b] >= 0 with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only
+the x are integers.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def choices(cluster: Cluster) -> list[Spread]:
 
 @dataclass(frozen=True)
 class SpreadCosts:
-    """The ILP's coefficients for K layers, C choices, D devices, L links and E layer pairs that exchange data.
+    """The ILP's coefficients for K layers, C choices, D devices, L links and E layer pairs
+    that exchange data.
 
-    compute[k, c, d]: seconds on device d's path; links[k, c, l]: seconds on link l (the allreduce); memory[k, c, d]:
-    bytes on d; pairs[e] = (u, v) and moves[e, a, b, l]: seconds on link l of the data between layers u and v
-    when u takes choice a and v choice b, hops[e, a, b] the seconds a shard's path waits for them; uses[d]: the links device d's transfers and rings use."""
+    compute[k, c, d]: seconds on device d's path; links[k, c, l]: seconds on link l (the allreduce);
+    memory[k, c, d]: bytes on d; pairs[e] = (u, v) and moves[e, a, b, l]: seconds on link l of the data
+    between layers u and v when u takes choice a and v choice b, hops[e, a, b] the seconds a shard's path
+    waits for them; uses[d]: the links device d's transfers and rings use."""
 
     spreads: tuple[Spread, ...]
     compute: np.ndarray
@@ -74,8 +78,8 @@ class SpreadCosts:
     uses: tuple[tuple[int, ...], ...]
 
     def loads(self, pick: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(seconds per device: compute and its path's transfers, seconds per link, bytes per device) when layer k
-        takes choice pick[k]."""
+        """(seconds per device: compute and its path's transfers, seconds per link, bytes per device) when
+        layer k takes choice pick[k]."""
         pick = np.asarray(pick)
         k = np.arange(len(pick))
         e = np.arange(len(self.pairs))
@@ -96,12 +100,14 @@ class SpreadCosts:
         if overlap:
             span = max(compute.max(), link.max(initial=0.0))
         else:
-            span = max(compute[d] + max((link[lk] for lk in self.uses[d]), default=0.0) for d in range(len(compute)))
+            span = max(compute[d] + max((link[lk] for lk in self.uses[d]), default=0.0)
+                       for d in range(len(compute)))
         return float(span + TIE * (compute.sum() + link.sum()))
 
 
     def merged(self, groups: Sequence[Sequence[int]]) -> SpreadCosts:
-        """The costs of blocks of layers that take one choice together (`groups[b]`: the layers of block b)."""
+        """The costs of blocks of layers that take one choice together
+        (`groups[b]`: the layers of block b)."""
         block = np.empty(len(self.compute), dtype=int)
         for b, members in enumerate(groups):
             block[list(members)] = b
@@ -123,15 +129,15 @@ class SpreadCosts:
 
         def total(a: np.ndarray) -> np.ndarray:
             return np.stack([a[list(m)].sum(axis=0) for m in groups])
-        return SpreadCosts(self.spreads, total(self.compute), total(self.links), total(self.memory), self.capacity,
-                           tuple(pairs), moves, hops, self.uses)
+        return SpreadCosts(self.spreads, total(self.compute), total(self.links), total(self.memory),
+                           self.capacity, tuple(pairs), moves, hops, self.uses)
 
 
 def blocks(costs: SpreadCosts, params: Sequence[float], limit: int = 32) -> list[list[int]]:
-    """At most about `limit` blocks of consecutive layers for the search, so that a 24-block transformer (some 200
-    layers) is solved in seconds: a layer with a large share of the parameters (an embedding, a large fully
-    connected layer: the ones worth holding once) stays a block of its own, the others are merged in order
-    until a block has 1/limit of the work."""
+    """At most about `limit` blocks of consecutive layers for the search, so that a 24-block transformer (some
+    200 layers) is solved in seconds: a layer with a large share of the parameters (an embedding, a large
+    fully connected layer: the ones worth holding once) stays a block of its own, the others are merged in
+    order until a block has 1/limit of the work."""
     work = costs.compute[:, 0].sum(axis=1)
     big = np.asarray(params) >= sum(params) / limit
     out: list[list[int]] = []
@@ -145,10 +151,12 @@ def blocks(costs: SpreadCosts, params: Sequence[float], limit: int = 32) -> list
 
 def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: float) -> list[int]:
     """Local search on the objective from `pick`: the best of giving one block, or every block before or after
-    one (a pipeline's cut), another choice, taken while it helps (or until the deadline). Where `pick` does not
-    fit, the memory it overflows by is lowered first (a plan that fits where data parallelism does not)."""
+    one (a pipeline's cut), another choice, taken while it helps (or until the deadline). Where `pick` does
+    not fit, the memory it overflows by is lowered first (a plan that fits where data parallelism
+    does not)."""
     K, C = len(pick), len(costs.spreads)
-    moves = [range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K)] + [range(k, K) for k in range(1, K - 1)]
+    moves = ([range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K)]
+             + [range(k, K) for k in range(1, K - 1)])
     pick = list(pick)
 
     def value(p: list[int]) -> tuple[float, float]:
@@ -170,7 +178,8 @@ def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: fl
 
 def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: MeasuredCosts | None = None
                  ) -> SpreadCosts:
-    """The coefficients of `graph`'s layers `found` on `cluster`, read from the step at batch/n (module docstring)."""
+    """The coefficients of `graph`'s layers `found` on `cluster`, read from the step at batch/n
+    (module docstring)."""
     n, nl = len(cluster.devices), len(cluster.links)
     spreads = tuple(choices(cluster))
     sub = rebatch(graph, graph.batch // n)
@@ -206,14 +215,16 @@ def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: Meas
     elsewhere = (work[:, None, :] * held[None, :, :]).sum(axis=2) / held.sum(axis=1)[None, :]
     compute = (shards[None, :, :] * work[:, None, :] + held[None, :, :] * update[:, None, :]
                + (1 - held[None, :, :]) * elsewhere[:, :, None])
-    memory = held[None, :, :] * resident[:, None, None] + shards[None, :, :] * (per_shard + grads)[:, None, None]
+    memory = (held[None, :, :] * resident[:, None, None]
+              + shards[None, :, :] * (per_shard + grads)[:, None, None])
     links = np.zeros((K, C, nl))
     for c, spread in enumerate(spreads):
         used, fixed, per_byte, per_tensor = cluster.allreduce_cost(spread.devices)
         for lk in used:
             links[:, c, lk] = np.where(grads > 0, fixed + per_byte * grads + per_tensor * tensors, 0.0)
     pairs, moves, hops = _moves(sub, of, cluster, spreads)
-    uses = tuple(tuple(sorted({lk for e in range(n) if e != d for lk in (*cluster.route(d, e), *cluster.route(e, d))}))
+    uses = tuple(tuple(sorted({lk for e in range(n) if e != d
+                               for lk in (*cluster.route(d, e), *cluster.route(e, d))}))
                  for d in range(n))
     capacity = np.array([dev.memory_bytes for dev in cluster.devices], dtype=float)
     return SpreadCosts(spreads, compute, links, memory, capacity, pairs, moves, hops, uses)
@@ -224,7 +235,8 @@ def _moves(sub: OpGraph, of: Sequence[int], cluster: Cluster, spreads: Sequence[
     """The layer pairs that exchange tensors, the link seconds of moving them per pair of choices, and the
     seconds one shard's tensors spend on their way (the slowest shard's route): its path waits for them."""
     n, nl = len(cluster.devices), len(cluster.links)
-    sent: dict[tuple[int, int], np.ndarray] = {}  # (from, to) layer -> (tensors, bytes), once per reader layer
+    # (from, to) layer -> (tensors, bytes), once per reader layer
+    sent: dict[tuple[int, int], np.ndarray] = {}
     for i, op in enumerate(sub.ops):
         if of[i] < 0 or op.kind == ALLREDUCE:
             continue
@@ -263,7 +275,8 @@ def _moves(sub: OpGraph, of: Sequence[int], cluster: Cluster, spreads: Sequence[
 
 
 def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[int] | None:
-    """The choice per layer minimising `costs.objective(., overlap)`, by HiGHS; None if no choice fits memory."""
+    """The choice per layer minimising `costs.objective(., overlap)`, by HiGHS;
+    None if no choice fits memory."""
     K, C, D = costs.compute.shape
     L, E = costs.links.shape[2], len(costs.pairs)
     nx, ny = K * C, E * C * C
@@ -297,11 +310,13 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
     path = [(yi(e, a, b), costs.hops[e, a, b]) for e, a, b in zip(*nz)]
 
     def device_terms(d: int) -> list[tuple[int, float]]:
-        return [(xi(k, c), costs.compute[k, c, d]) for k in range(K) for c in range(C) if costs.compute[k, c, d]
+        return [(xi(k, c), costs.compute[k, c, d]) for k in range(K) for c in range(C)
+                if costs.compute[k, c, d]
                 ] + path
 
     def link_terms(lk: int) -> list[tuple[int, float]]:
-        terms = [(xi(k, c), costs.links[k, c, lk]) for k in range(K) for c in range(C) if costs.links[k, c, lk]]
+        terms = [(xi(k, c), costs.links[k, c, lk]) for k in range(K) for c in range(C)
+                 if costs.links[k, c, lk]]
         nz = np.nonzero(costs.moves[:, :, :, lk])
         return terms + [(yi(e, a, b), costs.moves[e, a, b, lk]) for e, a, b in zip(*nz)]
 
@@ -312,7 +327,8 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
         else:
             for lk in costs.uses[d] or (None,):
                 row([*device_terms(d), *(links[lk] if lk is not None else ()), (nv - 1, -1.0)], -np.inf, 0.0)
-        row([(xi(k, c), costs.memory[k, c, d]) for k in range(K) for c in range(C)], -np.inf, costs.capacity[d])
+        row([(xi(k, c), costs.memory[k, c, d]) for k in range(K) for c in range(C)],
+            -np.inf, costs.capacity[d])
     if overlap:
         for lk in range(L):
             if links[lk]:
@@ -325,7 +341,8 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
     integral = np.zeros(nv)
     integral[:nx] = 1
     res = scipy.optimize.milp(objective, constraints=scipy.optimize.LinearConstraint(a, lo, hi),
-                              integrality=integral, bounds=scipy.optimize.Bounds(0, np.r_[np.ones(nv - 1), np.inf]),
+                              integrality=integral,
+                              bounds=scipy.optimize.Bounds(0, np.r_[np.ones(nv - 1), np.inf]),
                               options={"time_limit": time_limit_s})
     if res.x is None:
         return None
@@ -339,16 +356,16 @@ MAX_ROUTE_TABLE = 2**27
 
 def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
                  budget_s: float = 4.0) -> list[Strategy]:
-    """The plans of the search under both models (module docstring), one shard a device: for each, the better of
-    the local search's from data parallelism and the ILP's, where HiGHS finds one within its share of `budget_s`.
-    FasttError where the step cannot be cut into one shard a device."""
+    """The plans of the search under both models (module docstring), one shard a device: for each, the better
+    of the local search's from data parallelism and the ILP's, where HiGHS finds one within its share of
+    `budget_s`. FasttError where the step cannot be cut into one shard a device."""
     deadline = time.perf_counter() + budget_s
     n = len(cluster.devices)
     if n < 2 or not replicable(graph, n):
         raise FasttError(f"spread search: batch {graph.batch} does not split into {n} shards")
     if n * n * len(cluster.links) * 2 > MAX_ROUTE_TABLE:
-        raise FasttError(f"spread search: {n} devices with {len(cluster.links)} links are more than its route "
-                         "tables hold (devices² x links); plan with another planner")
+        raise FasttError(f"spread search: {n} devices with {len(cluster.links)} links are more than its "
+                         "route tables hold (devices² x links); plan with another planner")
     found = layers(graph)
     per_layer = spread_costs(graph, cluster, found, measured)
     groups = blocks(per_layer, [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers])
@@ -362,13 +379,15 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
                          key=lambda p: (costs.excess(p), costs.objective(p, overlap))))
     out = []
     for pick in {tuple(p): p for p in picks if any(p)}.values():  # data parallelism is planned elsewhere
-        spreads = [costs.spreads[pick[b]] for b, members in enumerate(groups) for _ in members]  # blocks in order
+        # blocks in order
+        spreads = [costs.spreads[pick[b]] for b, members in enumerate(groups) for _ in members]
         out.append(mixed_strategy(graph, cluster, n, spreads, found, "search", measured))
     return out
 
 
 def search(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
-    """The `search` planner: the fastest simulated of `spread_plans`, data parallelism where none is better."""
+    """The `search` planner: the fastest simulated of `spread_plans`,
+    data parallelism where none is better."""
     plans = spread_plans(graph, cluster, measured)
     if not plans:
         raise FasttError("spread search: no spread of the layers beats data parallelism on its cost model")

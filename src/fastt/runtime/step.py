@@ -173,7 +173,8 @@ def all_cores(model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: O
     threads = torch.get_num_threads()
     one = calibrate_cpu(cluster("cpu:1"))
     costs = measure_step(graph, model, optimizer, example_inputs, [graph.batch], threads, 1)
-    return ParallelStep(model, optimizer, graph, one, costs, place(graph, single_device(graph, one), one, costs),
+    return ParallelStep(model, optimizer, graph, one, costs,
+                        place(graph, single_device(graph, one), one, costs),
                         threads)
 
 

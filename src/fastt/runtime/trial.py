@@ -34,8 +34,8 @@ TRIAL_STEPS = 3  # steps each plan's median is of (after one warm-up step)
 
 class Trial(NamedTuple):
     """fastt's plan against its rivals before training: each one's median seconds a step (None for a rival not
-    raced), how many steps each median is of, and the planner of the plan kept (`fastt`, `dp`, or `single`: one
-    device with every core)."""
+    raced), how many steps each median is of, and the planner of the plan kept (`fastt`, `dp`, or `single`:
+    one device with every core)."""
 
     fastt_plan_s: float
     dp_s: float | None
@@ -130,8 +130,8 @@ def raced(step: S, place_dp: Callable[[Strategy], S], batch: Sequence[torch.Tens
           alone: Callable[[], S] | None = None) -> S:
     """`step` (the `fastt` planner's plan), or the rival that measured faster over `steps` steps
     (`trial_times`): the step `place_dp(dp)` of data parallelism (`dp_rival`), and `alone()`, one device with
-    every core, where given. The one kept has the `Trial`; `step` is returned as it is where there is no rival or
-    no steps, and wins ties. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
+    every core, where given. The one kept has the `Trial`; `step` is returned as it is where there is no rival
+    or no steps, and wins ties. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
     if not steps:
         return step
     dp = dp_rival(step)
