@@ -277,10 +277,53 @@ def _moves(sub: OpGraph, of: Sequence[int], cluster: Cluster, spreads: Sequence[
 def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[int] | None:
     """The choice per layer minimising `costs.objective(., overlap)`, by HiGHS;
     None if no choice fits memory."""
-    K, C, D = costs.compute.shape
-    L, E = costs.links.shape[2], len(costs.pairs)
-    nx, ny = K * C, E * C * C
+    K, C, _ = costs.compute.shape
+    nx, ny = K * C, len(costs.pairs) * C * C
     nv = nx + ny + 1  # x[k, c], y[e, a, b], T
+    objective = np.zeros(nv)
+    objective[nv - 1] = 1.0
+    objective[:nx] = TIE * (costs.compute.sum(axis=2) + costs.links.sum(axis=2)).ravel()
+    objective[nx:nx + ny] = TIE * costs.moves.sum(axis=3).ravel()
+    integral = np.zeros(nv)
+    integral[:nx] = 1
+    res = scipy.optimize.milp(objective, constraints=_constraints(costs, overlap, nv), integrality=integral,
+                              bounds=scipy.optimize.Bounds(0, np.r_[np.ones(nv - 1), np.inf]),
+                              options={"time_limit": time_limit_s})
+    if res.x is None:
+        return None
+    return [int(np.argmax(res.x[k * C:(k + 1) * C])) for k in range(K)]
+
+
+class _Rows:
+    """A sparse constraint matrix built a row at a time: low <= sum of val * v[col] over the row <= high."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add(self, entries: Sequence[tuple[int, float]], low: float, high: float) -> None:
+        for col, val in entries:
+            self.rows.append(len(self.lo))
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lo.append(low)
+        self.hi.append(high)
+
+    def constraint(self, nv: int) -> scipy.optimize.LinearConstraint:
+        a = scipy.sparse.csr_array((self.vals, (self.rows, self.cols)), shape=(len(self.lo), nv))
+        return scipy.optimize.LinearConstraint(a, self.lo, self.hi)
+
+
+def _constraints(costs: SpreadCosts, overlap: bool, nv: int) -> scipy.optimize.LinearConstraint:
+    """The ILP's rows over x[k, c] (layer k takes choice c), y[e, a, b] (the pair e's layers take a and b)
+    and T: one choice a layer; each y summing to its layers' x (Alpa's linearisation); T at least every
+    device's compute and the path's waits, and every link's traffic (`overlap`), or each device's compute
+    plus a link it uses (not); each device's memory within its capacity."""
+    K, C, D = costs.compute.shape
+    nx = K * C
 
     def xi(k: int, c: int) -> int:
         return k * C + c
@@ -288,31 +331,18 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
     def yi(e: int, a: int, b: int) -> int:
         return nx + (e * C + a) * C + b
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def row(entries: Sequence[tuple[int, float]], low: float, high: float) -> None:
-        r = len(lo)
-        for col, val in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(val)
-        lo.append(low)
-        hi.append(high)
-
+    rows = _Rows()
     for k in range(K):
-        row([(xi(k, c), 1.0) for c in range(C)], 1.0, 1.0)
+        rows.add([(xi(k, c), 1.0) for c in range(C)], 1.0, 1.0)
     for e, (u, v) in enumerate(costs.pairs):
         for a in range(C):
-            row([(yi(e, a, b), 1.0) for b in range(C)] + [(xi(u, a), -1.0)], 0.0, 0.0)
-            row([(yi(e, b, a), 1.0) for b in range(C)] + [(xi(v, a), -1.0)], 0.0, 0.0)
-
-    nz = np.nonzero(costs.hops)
-    path = [(yi(e, a, b), costs.hops[e, a, b]) for e, a, b in zip(*nz)]
+            rows.add([(yi(e, a, b), 1.0) for b in range(C)] + [(xi(u, a), -1.0)], 0.0, 0.0)
+            rows.add([(yi(e, b, a), 1.0) for b in range(C)] + [(xi(v, a), -1.0)], 0.0, 0.0)
+    path = [(yi(e, a, b), costs.hops[e, a, b]) for e, a, b in zip(*np.nonzero(costs.hops))]
 
     def device_terms(d: int) -> list[tuple[int, float]]:
         return [(xi(k, c), costs.compute[k, c, d]) for k in range(K) for c in range(C)
-                if costs.compute[k, c, d]
-                ] + path
+                if costs.compute[k, c, d]] + path
 
     def link_terms(lk: int) -> list[tuple[int, float]]:
         terms = [(xi(k, c), costs.links[k, c, lk]) for k in range(K) for c in range(C)
@@ -320,33 +350,20 @@ def solve(costs: SpreadCosts, overlap: bool, time_limit_s: float = 5.0) -> list[
         nz = np.nonzero(costs.moves[:, :, :, lk])
         return terms + [(yi(e, a, b), costs.moves[e, a, b, lk]) for e, a, b in zip(*nz)]
 
-    links = [link_terms(lk) for lk in range(L)]
+    links = [link_terms(lk) for lk in range(costs.links.shape[2])]
     for d in range(D):
         if overlap:
-            row([*device_terms(d), (nv - 1, -1.0)], -np.inf, 0.0)
+            rows.add([*device_terms(d), (nv - 1, -1.0)], -np.inf, 0.0)
         else:
             for lk in costs.uses[d] or (None,):
-                row([*device_terms(d), *(links[lk] if lk is not None else ()), (nv - 1, -1.0)], -np.inf, 0.0)
-        row([(xi(k, c), costs.memory[k, c, d]) for k in range(K) for c in range(C)],
-            -np.inf, costs.capacity[d])
-    if overlap:
-        for lk in range(L):
-            if links[lk]:
-                row([*links[lk], (nv - 1, -1.0)], -np.inf, 0.0)
-    objective = np.zeros(nv)
-    objective[nv - 1] = 1.0
-    objective[:nx] = TIE * (costs.compute.sum(axis=2) + costs.links.sum(axis=2)).ravel()
-    objective[nx:nx + ny] = TIE * costs.moves.sum(axis=3).ravel()
-    a = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(lo), nv))
-    integral = np.zeros(nv)
-    integral[:nx] = 1
-    res = scipy.optimize.milp(objective, constraints=scipy.optimize.LinearConstraint(a, lo, hi),
-                              integrality=integral,
-                              bounds=scipy.optimize.Bounds(0, np.r_[np.ones(nv - 1), np.inf]),
-                              options={"time_limit": time_limit_s})
-    if res.x is None:
-        return None
-    return [int(np.argmax(res.x[k * C:(k + 1) * C])) for k in range(K)]
+                uses = links[lk] if lk is not None else ()
+                rows.add([*device_terms(d), *uses, (nv - 1, -1.0)], -np.inf, 0.0)
+        rows.add([(xi(k, c), costs.memory[k, c, d]) for k in range(K) for c in range(C)], -np.inf,
+                 costs.capacity[d])
+    for terms in links if overlap else ():
+        if terms:
+            rows.add([*terms, (nv - 1, -1.0)], -np.inf, 0.0)
+    return rows.constraint(nv)
 
 
 # The most entries of the search's dense route table (`_moves`: devices x devices x links x 2 floats), 1 GiB:
