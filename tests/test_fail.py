@@ -291,9 +291,12 @@ def test_a_signal_stops_every_rank_and_leaves_no_files(sig: signal.Signals, tmp_
 
 
 def test_ctrl_c_during_start_up_is_one_line(tmp_path: Path) -> None:
-    """SIGINT a second in, while torch loads."""
+    """SIGINT while torch loads: once the process has mapped torch's library (fastt's package is loading then;
+    a fixed delay sent it, on a loaded machine, before Python had reached fastt at all)."""
     p = subprocess.Popen([*FASTT, "run", "--model", "mlp"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and len(err.splitlines()) == 1 and err.startswith("fastt: interrupted"), err[-3000:]
