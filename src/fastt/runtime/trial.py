@@ -97,8 +97,8 @@ def restored(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterat
         for p, saved_state in state.items():
             now = optimizer.state[p]
             for k, v in saved_state.items():
-                if isinstance(v, torch.Tensor) and isinstance(now.get(k),
-                                                              torch.Tensor) and now[k].shape == v.shape:
+                tensors = isinstance(v, torch.Tensor) and isinstance(now.get(k), torch.Tensor)
+                if tensors and now[k].shape == v.shape:
                     with torch.no_grad():
                         now[k].copy_(v)
                 else:
