@@ -42,7 +42,7 @@ class PlacedStep:
     placed: Placed
     # what plans are compiled for (`place`); None: the cluster's
     targets: Sequence[torch.device] | None = None
-    # fastt's plan raced against data parallelism before training (`runtime.trial`)
+    # fastt's plan raced against its rivals before training (`runtime.trial`)
     trial: Trial | None = None
 
     @property
