@@ -7,10 +7,13 @@ Three tables, written to out/runtime.json and docs/runtime.md (generated from th
 3. Runtime overhead on one device (cpu:1, all cores) against plain eager PyTorch with the same thread count, and
    the parts of it spent each call reading the hyperparameters from the param groups, and checking that the
    model, optimizer and batch are what the step was captured for.
+4. Peak memory per device on cpu:2 for `single`, `dp` and `fastt`'s own plan on every zoo model at test size:
+   measured in a real step (`fastt.runtime.memory`) beside the simulator's.
 Plus the machine's ceiling for two worker devices: one device's step alone vs two copies of it at once.
 
 Usage:
-  .venv/bin/python benchmarks/runtime.py            # everything (about 25 minutes on 2 cores)
+  .venv/bin/python benchmarks/runtime.py            # everything (about 45 minutes on 2 cores)
+  .venv/bin/python benchmarks/runtime.py --only memory   # the memory table alone (about 20 minutes)
   .venv/bin/python benchmarks/runtime.py --small    # what CI runs: small models, few steps, no doc
   .venv/bin/python benchmarks/runtime.py --render   # only rewrite docs/runtime.md from out/runtime.json
   --out DIR: the folder the JSON is written to and read from (default out/)
@@ -32,7 +35,10 @@ from fastt import guards, zoo
 from fastt.capture import hyper_values
 from fastt.runtime import parallelize
 from fastt.runtime.bench import run_planners
+from fastt.runtime.memory import measured_peaks
+from fastt.runtime.programs import release_points
 from fastt.runtime.reference import batch_like, eager_step
+from fastt.simulate import simulate_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 RECURRENT = ("rnnlm", "gnmt")
@@ -109,6 +115,27 @@ def overhead(models: list[str], steps: int) -> list[dict]:
         rows.append({"model": name, "threads": torch.get_num_threads(), "eager_s": e, "fastt_s": f,
                      "overhead": f / e - 1, "hyper_s": min(hyper[2:]),
                      "check_s": min(checks[2:])})
+    return rows
+
+
+def memory(models: list[str]) -> list[dict]:
+    """Each device's measured peak (`memory.measured_peaks`: residents, what its thread allocates, what it
+    receives) beside the simulator's, for one device, data parallelism and fastt's own plan."""
+    rows = []
+    for name in models:
+        print(f"memory: {name}", file=sys.stderr)
+        for planner in ("single", "dp", "fastt"):
+            w = zoo.get(name, dropout=False)
+            with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+                step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", planner,
+                                   trial=False)
+                measured = measured_peaks(step, w.example_inputs)
+            tl = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
+                               release=release_points(step.lowered, step.placed.programs))
+            used = [d for d, m in enumerate(measured) if m]
+            rows.append({"model": name, "planner": planner, "replicas": step.strategy.replicas,
+                         "splits": len(step.strategy.splits), "measured": [measured[d] for d in used],
+                         "simulated": [int(tl.peak_memory_bytes[d]) for d in used]})
     return rows
 
 
@@ -196,6 +223,21 @@ def render(out: dict, cmd: str) -> str:
         parts = [f"{r[k] * ms:.3f} ({r[k] / r['fastt_s']:.2%})" if k in r else "-" for k in ("hyper_s", "check_s")]
         lines.append(f"| {r['model']} | {r['threads']} | {r['eager_s'] * ms:.1f} | {r['fastt_s'] * ms:.1f} | "
                      f"{r['overhead']:+.1%} | {' | '.join(parts)} |")
+    if out.get("memory"):
+        ratios = [s / m for r in out["memory"] for m, s in zip(r["measured"], r["simulated"])]
+        lines += ["", "## Peak memory per device (cpu:2, test size)", "",
+                  ("Measured in one real step (`fastt.runtime.memory`): a device's residents, what its thread "
+                   "allocates, what it receives and the allreduce means its replicas read, as a GPU would hold them "
+                   "(worker devices share the process's memory, so this is counted, not read off an allocator). "
+                   f"Simulated over measured, per device: median **{statistics.median(ratios):.2f}**, from "
+                   f"{min(ratios):.2f} to {max(ratios):.2f}; issue 17 asks for 1.00 to 1.25."), "",
+                  "| model | planner | plan | measured MB | simulated MB | simulated / measured |",
+                  "|---|---|---|---|---|---|"]
+        for r in out["memory"]:
+            mb = lambda xs: " ".join(f"{x / 1e6:.1f}" for x in xs)
+            rel = " ".join(f"{s / m:.2f}" for m, s in zip(r["measured"], r["simulated"]))
+            lines.append(f"| {r['model']} | {r['planner']} | {r['replicas']} replica(s), {r['splits']} split(s) | "
+                         f"{mb(r['measured'])} | {mb(r['simulated'])} | {rel} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,7 +245,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--render", action="store_true", help="only rewrite docs/runtime.md from out/runtime.json")
-    ap.add_argument("--only", choices=["accuracy", "overhead"],
+    ap.add_argument("--only", choices=["accuracy", "overhead", "memory"],
                     help="rerun this table alone (e.g. after a simulator change), keeping the others from the JSON")
     ap.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the JSON (default: out/)")
     a = ap.parse_args()
@@ -215,6 +257,7 @@ def main() -> None:
         out = json.loads(path.read_text())
         models = ["mlp", "lenet"] if a.small else list(zoo.DISTINCT)
         out[a.only] = (accuracy(models, 2 if a.small else 10) if a.only == "accuracy" else
+                       memory(models) if a.only == "memory" else
                        overhead([m for m in models if m != "gnmt"], 4 if a.small else 20))
         out["rerun"] = sorted({*out.get("rerun", []), a.only})
         path.write_text(json.dumps(out, indent=1))
@@ -226,7 +269,8 @@ def main() -> None:
                "speed": speed(speed_models, steps + 12), "ceiling": ceiling(speed_models, 2 if a.small else 5),
                "accuracy": accuracy(zoo_models, steps // 2),
                "overhead": overhead(["mlp", "lenet"] if a.small else [m for m in zoo.DISTINCT if m != "gnmt"],
-                                    steps)}
+                                    steps),
+               "memory": memory(zoo_models)}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
     out = json.loads(path.read_text())

@@ -154,6 +154,36 @@ def _assign_groups(step: Step) -> tuple[dict[Node, str], dict[str, str], dict[st
     return group, kind, updates
 
 
+def _update_bytes(nodes: Sequence[Node], group: dict[Node, str], gname: str) -> tuple[int, int]:
+    """(bytes of its results, the most its temporaries add while it runs) for an optimizer update's nodes,
+    run in order: each aten result lives from its node to its last reader in the update (a view, to its
+    view's), and its results (read outside it: the step's new parameter and state) to the end."""
+    base: dict[Node, Node | None] = {}  # the aten result a node's value is (a view: its input's), or None
+    for n in nodes:
+        if n.target in ALIAS:
+            a = next(iter(_arg_nodes(n)), None)
+            base[n] = base.get(a) if a is not None else None
+        else:
+            base[n] = n
+    last: dict[Node, int] = {}
+    out: set[Node] = set()
+    for i, n in enumerate(nodes):
+        for a in _arg_nodes(n):
+            if base.get(a) is not None:
+                last[base[a]] = i
+        if any(group.get(u) != gname for u in n.users) and base[n] is not None:
+            out.add(base[n])
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        if base[n] is n and n.op == "call_function" and n.target is not aten.copy_.default:
+            live += nbytes(n.meta.get("val"))
+        peak = max(peak, live)
+        live -= sum(nbytes(a.meta.get("val")) for a in set(map(base.get, _arg_nodes(n)))
+                    if a is not None and a not in out and last.get(a) == i)
+    kept = sum(nbytes(n.meta.get("val")) for n in out)
+    return kept, max(0, peak - kept)
+
+
 def to_opgraph(step: Step, name: str = "step") -> OpGraph:
     """Coarsen a captured step into an OpGraph (alias ops and per-parameter updates grouped)."""
     group, kind, updates = _assign_groups(step)
@@ -178,8 +208,9 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                 flops += _flops(n)
                 io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
                 shapes.append(_shape_key(n))
-        if k == UPDATE:
-            out_bytes = 0  # written in place into the parameter and its state
+        temp = 0
+        if k == UPDATE:  # the new parameter and state are fresh tensors, the old ones kept to the step's end
+            out_bytes, temp = _update_bytes(nodes, group, gname)
         inputs = tuple(index[g] for g in reads)
         batch = k not in (UPDATE,) and (k == INPUT or any(ops[j].batch for j in inputs))
         updated = tuple(sorted(index[u] for u in updates.get(gname, ())))
@@ -197,7 +228,7 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                       in_bytes=tuple(sum(r.values()) for r in reads.values()), out_bytes=out_bytes,
                       flops=flops, io_bytes=io, nodes=tuple(n.name for n in nodes), updates=updated,
                       batch=batch, signature=sig, head=head.name if head.op == "call_function" else "",
-                      arg_inputs=arg_inputs))
+                      arg_inputs=arg_inputs, temp_bytes=temp))
     return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
                    fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
 

@@ -34,10 +34,12 @@ class Fanout(NamedTuple):
 
 
 class Readers(NamedTuple):
-    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`."""
+    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`, which
+    reads `nbytes[k]` of it."""
 
     copies: list[int]
     ops: list[int]
+    nbytes: list[int]
 
 
 @dataclass
@@ -146,16 +148,17 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
     ar_cons: list[list[int]] = [[] for _ in g.ops]
     ar_need: dict[int, int] = {}
     edges: dict[int, list] = {}
-    readers = Readers([], [])
+    readers = Readers([], [], [])
     for i, op in enumerate(g.ops):
         ins = op.inputs
         pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
         if op.kind == ALLREDUCE:
             ar_need[i] = len(set(ins))
-            for j, _ in pairs:
+            for j, b in pairs:
                 ar_cons[j].append(i)
                 readers.copies.append(j * nd + dev[j])
                 readers.ops.append(i)
+                readers.nbytes.append(b)
             continue
         d = dev[i]
         for j, b in pairs:
@@ -164,6 +167,7 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
             key = j * nd + d
             readers.copies.append(key)
             readers.ops.append(i)
+            readers.nbytes.append(b)
             need[i] += 1
             e = edges.get(key)
             if e is None:

@@ -26,8 +26,9 @@ class Op:
     """One node of the OpGraph.
 
     `inputs[k]` is the index of a producer and `in_bytes[k]` the bytes this op reads from it (an edge's
-    transfer size). `out_bytes` is what the op allocates for its results: 0 for an op whose results are
-    written in place into resident tensors (`updates` lists those, by index), as an optimizer step does.
+    transfer size). `out_bytes` is what the op allocates for its results. An optimizer update (`updates` lists
+    the residents it writes, by index) makes the new parameter and state as fresh tensors: they count in its
+    `out_bytes` and live to the end of the step, beside the old ones.
     `batch` is True when the op's work depends on the input batch (data parallelism divides it).
     """
 
@@ -46,6 +47,7 @@ class Op:
     head: str = ""  # the fx node of the op's main aten call ("" for residents, inputs, hand-built ops)
     arg_inputs: tuple[int, ...] = ()  # per positional arg of `head`: its position in `inputs`, or -1
     split: tuple[str, int, int] | tuple[()] = ()  # (dim name, part index, parts) for a part of a split op
+    temp_bytes: int = 0  # what it allocates beyond its results while it runs (an update's temporaries)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ The model, in full:
   result is then on every device of the group;
 - memory per device starts at its resident set; an op allocates its output when it starts (INPUT data at t=0),
   a transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; a copy is
-  freed when its last reader there (a local op, an outgoing transfer, an allreduce) has finished. At equal
-  times allocations count before frees, so the peak is conservative.
+  freed when its last reader there (a local op, an outgoing transfer, an allreduce) has finished; an optimizer
+  update's results (the new parameter and state, fresh tensors) live to the end of the step and its
+  temporaries while it runs. At equal times allocations count before frees, so the peak is conservative.
 
 Three modules share the work: `events` flattens graph, strategy and cluster into lists (`prepare`) and runs
 the event loop over them (`run_events`); `links` times transfers and collectives on the links; this module
@@ -197,21 +198,62 @@ def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transf
     is_input = np.array([g.ops[i].kind == INPUT for i in placed], dtype=bool)
     ar = [(a, d) for c in collectives for a in c.ops for d in c.group if out[a] > 0]
     ar_op, ar_dev = (np.array([x[k] for x in ar], dtype=np.int64) for k in range(2))
-    d_all = np.concatenate([dev[placed], ar_dev, t_dst])
-    size = np.concatenate([out[placed], out[ar_op], t_bytes])
-    t_alloc = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start])
-    copies = np.concatenate([placed * nd + dev[placed], ar_op * nd + ar_dev, t_op * nd + t_dst])
-    t_free = np.maximum(np.concatenate([end[placed], end[ar_op], t_end]), last_read(copies))
+    # Received copies and allreduce results are freed whole after their last reader.
+    d_all = np.concatenate([dev[placed], ar_dev, t_dst, ar_dev, t_dst])
+    size = np.concatenate([out[placed], out[ar_op], t_bytes, -out[ar_op], -t_bytes])
+    times = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start,
+                            np.maximum(end[ar_op], last_read(ar_op * nd + ar_dev)),
+                            np.maximum(t_end, last_read(t_op * nd + t_dst))])
+    frees = _producer_frees(g, p, placed, end, (t_op * nd + t_src, t_end, t_bytes), nd)
+    # An update's temporaries live while it runs.
+    temp = np.array([g.ops[i].temp_bytes for i in range(len(g.ops))], dtype=np.int64)
+    hot = np.flatnonzero((dev >= 0) & (temp > 0))
+    d_all = np.concatenate([d_all, frees[0], dev[hot], dev[hot]])
+    size = np.concatenate([size, frees[1], temp[hot], -temp[hot]])
+    times = np.concatenate([times, frees[2], start[hot], end[hot]])
     peak, trace = [], []
     for d in range(nd):
         m = d_all == d
-        times = np.concatenate([t_alloc[m], t_free[m]])
-        delta = np.concatenate([size[m], -size[m]])
-        o = np.lexsort((delta < 0, times))  # allocations before frees at equal times
+        at, delta = times[m], size[m]
+        o = np.lexsort((delta < 0, at))  # allocations before frees at equal times
         level = base[d] + np.cumsum(delta[o])
-        trace.append((np.concatenate([[0.0], times[o]]), np.concatenate([[base[d]], level])))
+        trace.append((np.concatenate([[0.0], at[o]]), np.concatenate([[base[d]], level])))
         peak.append(int(max(base[d], level.max(initial=0))))
     return tuple(peak), tuple(trace)
+
+
+def _producer_frees(g: OpGraph, p: EventPlan, placed: np.ndarray, end: np.ndarray,
+                    sends: tuple[np.ndarray, np.ndarray, np.ndarray], nd: int) -> tuple[np.ndarray, ...]:
+    """(device, -bytes, time) of the frees of each placed op's own copy of its results. An op's results are
+    freed in steps as its readers finish: after each, it keeps what the readers still to finish read (their
+    bytes summed, at most its output), so batch norm's output goes once its reader has run although its saved
+    statistics live into the backward. An update's results live to the end of the step."""
+    out = np.array([g.ops[i].out_bytes for i in placed], dtype=np.int64)
+    dev = np.array(p.dev, dtype=np.int64)[placed]
+    key_of = placed * nd + dev
+    # Every read of a copy: by a local op or an allreduce, or an outgoing transfer.
+    keys = np.concatenate([np.array(p.readers.copies, dtype=np.int64), sends[0]])
+    ends = np.concatenate([end[np.array(p.readers.ops, dtype=np.int64)], sends[1]])
+    read = np.concatenate([np.array(p.readers.nbytes, dtype=np.int64), sends[2]])
+    update = np.array([g.ops[i].kind == UPDATE for i in placed], dtype=bool)
+    at = np.searchsorted(key_of, keys)  # key_of is sorted: placed is, and dev < nd
+    at = np.minimum(at, max(len(key_of) - 1, 0))
+    mine = (key_of[at] == keys) & ~update[at] if len(key_of) else np.zeros(len(keys), dtype=bool)
+    k, e, b = at[mine], np.maximum(ends[mine], end[placed][at[mine]]), read[mine]
+    o = np.lexsort((e, k))
+    k, e, b = k[o], e[o], b[o]
+    first = np.r_[True, k[1:] != k[:-1]] if len(k) else np.zeros(0, dtype=bool)
+    group_total = np.zeros(len(placed), dtype=np.int64)
+    np.add.at(group_total, k, b)
+    run = np.cumsum(b)
+    done = run - np.repeat(run[first] - b[first], np.diff(np.r_[np.flatnonzero(first), len(k)]))  # per copy
+    after = np.minimum(out[k], group_total[k] - done)
+    before = np.where(first, out[k], np.r_[0, after[:-1]])
+    unread = np.setdiff1d(np.flatnonzero(~update), k)
+    tail = np.flatnonzero(update)
+    return (np.concatenate([dev[k], dev[unread], dev[tail]]),
+            np.concatenate([after - before, -out[unread], -out[tail]]),
+            np.concatenate([e, end[placed][unread], np.full(len(tail), end.max(initial=0.0))]))
 
 
 def _critical_path(g: OpGraph, end: list[float], crit: list[int]) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
-from ..graph import ALLREDUCE, RESIDENT, OpGraph, duplicate_updates
+from ..graph import ALLREDUCE, RESIDENT, UPDATE, OpGraph, duplicate_updates
 from ..strategy import Strategy
 
 _PROBE = float(2**30)  # bytes of the transfer the per-byte slope is read off
@@ -78,6 +78,8 @@ def memory_of(g: OpGraph) -> list[int]:
     for i, op in enumerate(g.ops):
         for j in op.inputs:
             last[j] = max(last[j], i)
+        if op.kind == UPDATE:  # its results, the new parameter and state, are the step's
+            last[i] = n - 1
     frees: list[list[int]] = [[] for _ in range(n)]
     for i in range(n):
         frees[last[i]].append(i)

@@ -20,9 +20,11 @@ every GPU.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +34,7 @@ from torch.fx.node import map_arg
 from ..errors import FasttError
 from ..lower import JOIN, PART, Lowered, Task
 from ..split import join, rule, run_part
+from .meter import StorageMeter
 from .programs import Programs, Segment, on_device
 
 
@@ -47,8 +50,9 @@ class _Run:
     signalled = True  # devices run in threads of this process and wait on each other's events
 
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
-                 timings: list | None) -> None:
+                 timings: list | None, meter: StorageMeter | None = None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
+        self.meter = meter
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
         self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
@@ -61,6 +65,35 @@ class _Run:
         self.recorded: dict[int, tuple[torch.cuda.Event, int]] = {}
         self.moved: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (source, copy)
         self.held: list = []
+        # What is still to read each value; at none it leaves the table (on CPU: on CUDA another stream may
+        # still be reading it, so every value lives until the step has synchronized).
+        self.left = None if self.cuda else dict(programs.readers)
+        # (replica, value, device) -> segments on the device still to read it, for the meter
+        self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices) for seg in segs
+                             for name in seg.reads)
+        self.carriers = Counter(name for names in low.allreduces.values() for name in names)
+        device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
+        # gradient -> the devices its allreduce's readers run on
+        self.group = {name: sorted({device_of[s] for s in low.graph.succs[a] if s in device_of})
+                      for a, names in low.allreduces.items() for name in names}
+
+    def release(self, k: int, read: Sequence[str], written: Sequence[str] = (), d: int = -1) -> None:
+        """Replica k's segment on device d has read `read` and written `written`: drop the values nothing
+        reads any more, as eager frees an activation after its last use. With a meter, device d's copy of a
+        value (as a GPU would hold it) ends with d's last read of it."""
+        if self.left is None:
+            return
+        env, left, kept = self.envs[k], self.left, self.programs.kept
+        with self.lock:
+            for name in read:
+                left[k, name] -= 1
+                if self.meter is not None and d >= 0:
+                    self.local[k, name, d] -= 1
+                    if not self.local[k, name, d] and isinstance(env.get(name), torch.Tensor):
+                        self.meter.drop(d, env[name])
+            for name in (*read, *written):
+                if left.get((k, name), 0) <= 0 and name not in kept:
+                    env.pop(name, None)
 
     def wait(self, op: int, d: int) -> bool:
         """Wait for op's results on device d; False when another device failed (stop)."""
@@ -140,6 +173,16 @@ class _Run:
                 self.raw.setdefault(name, [env[name] for env in self.envs])
         grads = [[self.get(k, name, d, self.raw[name][k]) for name in names] for k in range(len(self.envs))]
         self.average(names, grads)
+        if self.meter is not None:  # each replica's device would hold the mean as its own copy
+            for name in names:
+                self.meter.hold(self.group[name], self.envs[0][name])
+        with self.lock:
+            for name in names:
+                self.carriers[name] -= 1
+                if not self.carriers[name]:
+                    del self.raw[name]
+        for k in range(len(self.envs)):
+            self.release(k, names)
         if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
             self.held += grads
         self.finished(ops, d)
@@ -197,6 +240,10 @@ class _Run:
         if start is not None:
             start.record(self.streams[d])
         t0 = time.perf_counter()
+        if self.meter is not None and seg.waits:  # a GPU would hold what it receives as its own copy
+            for name in seg.reads:
+                if isinstance(env.get(name), torch.Tensor):
+                    self.meter.hold([d], env[name])
         try:
             if seg.fn is None:
                 for t in seg.tasks:
@@ -216,9 +263,14 @@ class _Run:
             else:
                 self.timings.append((seg, d, time.perf_counter() - t0))
         self.finished([t.op for t in seg.tasks], d)
+        self.release(seg.replica, seg.reads, seg.outputs if seg.fn is not None else written(seg), d)
         return True
 
     def device(self, d: int) -> None:
+        with self.meter.on(d) if self.meter is not None else contextlib.nullcontext():
+            self.run_device(d)
+
+    def run_device(self, d: int) -> None:
         # Grad mode, the intra-op thread count and the current CUDA stream (and GPU) are per thread.
         torch.set_grad_enabled(False)
         torch.set_num_threads(self.threads)
@@ -232,6 +284,12 @@ class _Run:
                 return
             if not ready or not self.run_segment(seg, d):
                 return
+
+
+def written(seg: Segment) -> tuple[str, ...]:
+    """The values an interpreted segment (a split part or a join) writes to its replica's table."""
+    t = seg.tasks[0]
+    return (f"{t.head}#{t.part[1]}",) if t.kind == PART else (t.head, *t.nodes)
 
 
 def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
@@ -285,12 +343,13 @@ def weighted_loss(envs: Sequence[dict], programs: Programs,
 def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
              batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int = 1,
-             timings: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+             timings: list | None = None, meter: StorageMeter | None = None,
+             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
     state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of
-    every segment run (on CUDA the segment's GPU time)."""
+    every segment run (on CUDA the segment's GPU time); `meter` counts what each device's thread allocates."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
-    run = _Run(low, programs, envs, threads_per_device, timings)
+    run = _Run(low, programs, envs, threads_per_device, timings, meter)
     with torch.no_grad():
         for env in envs:
             for name in low.prelude:

@@ -11,8 +11,9 @@ runtime (`local.run_step`) runs the segments in threads, the distributed one a r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
-from ..lower import PART, RUN, Lowered, Task, lower
+from ..lower import JOIN, PART, RUN, Lowered, Task, lower
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
@@ -40,6 +41,21 @@ class Segment:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     fn: Callable | None = None
+    reads: tuple[str, ...] = ()  # what it reads from its replica's table (`segment_reads`)
+
+
+def segment_reads(low: Lowered, seg: Segment, nodes: dict[str, fx.Node]) -> tuple[str, ...]:
+    """The values of its replica's table that segment `seg` reads (an interpreted part or join: every value
+    its nodes read, those it wrote itself included)."""
+    if seg.fn is not None:
+        return seg.inputs
+    t = seg.tasks[0]
+    read = [x.name for name in t.nodes for x in nodes[name].all_input_nodes]
+    if t.kind == PART:
+        read += [x.name for x in nodes[t.head].all_input_nodes]
+    elif t.kind == JOIN:
+        read += [f"{t.head}#{k}" for k in range(low.graph.ops[t.waits[0]].split[2])]
+    return tuple(dict.fromkeys(read))
 
 
 def on_device(kwargs: dict, device: torch.device) -> dict:
@@ -48,14 +64,16 @@ def on_device(kwargs: dict, device: torch.device) -> dict:
     return {**kwargs, "device": device} if isinstance(dev, torch.device) and dev != device else kwargs
 
 
-def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task],
-              device: torch.device) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
-    """The code of a run of plain tasks on `device`: (names it reads, names read after it, function)."""
+def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], device: torch.device,
+              kept: frozenset[str]) -> tuple[tuple[str, ...], tuple[str, ...], Callable]:
+    """The code of a run of plain tasks on `device`: (names it reads, names read after it, function). Of the
+    step's results only those its end reads (`kept`) leave the code: the gradients die where eager's do."""
     names = [name for t in tasks for name in t.nodes]
     inside = set(names)
     inputs = tuple(dict.fromkeys(x.name for name in names for x in nodes[name].all_input_nodes
                                  if x.name not in inside))
-    outputs = tuple(name for name in names if any(u.name not in inside for u in nodes[name].users))
+    outputs = tuple(name for name in names if any(u.name not in inside and (u.op != "output" or name in kept)
+                                                  for u in nodes[name].users))
     g = fx.Graph()
     values = {name: g.placeholder(name) for name in inputs}
     for name in names:
@@ -117,6 +135,9 @@ class Programs:
     streams: tuple = ()
     writeback: tuple[Writeback, ...] = ()
     copy_streams: dict = field(default_factory=dict)  # (device, source GPU) -> stream copying to the device
+    # (replica, value) -> how many segments and allreduces read it; values the step's end reads are `kept`
+    readers: dict[tuple[int, str], int] = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()
 
     @property
     def cuda(self) -> bool:
@@ -150,6 +171,10 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
 
     handoffs = {j for waits in foreign.values() for j in waits if j not in low.allreduces}
     nodes = {n.name: n for n in low.step.gm.graph.nodes}
+    placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
+    outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
+    n = len(low.step.param_names)
+    kept = frozenset([*placeholders, *low.prelude, outputs[0], *outputs[1 + n:]])
     programs = []
     for d, program in enumerate(low.programs):
         runs: list[list[Task]] = []
@@ -169,16 +194,20 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
             # side.
             k = len(waits) * d // len(low.programs)
             waits = tuple(waits[k:] + waits[:k])
-            code = _generate(low, nodes, tasks, targets[d]) if tasks[0].kind == RUN else ((), (), None)
-            segments.append(Segment(tasks[0].replica, tuple(tasks), waits, *code))
+            code = _generate(low, nodes, tasks, targets[d], kept) if tasks[0].kind == RUN else ((), (), None)
+            seg = Segment(tasks[0].replica, tuple(tasks), waits, *code)
+            segments.append(replace(seg, reads=segment_reads(low, seg, nodes)))
         programs.append(tuple(segments))
     signals = handoffs | {j for a in low.allreduces for j in low.graph.ops[a].inputs} | set(low.allreduces)
-    placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
-    outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
     writeback = tuple(w for d, program in enumerate(low.programs) for t in program if t.replica == 0
                       for w in _writes(t, d, nodes))
+    readers: Counter[tuple[int, str]] = Counter(
+        (seg.replica, name) for segs in programs for seg in segs for name in seg.reads)
+    readers.update((k, name) for names in low.allreduces.values() for name in names
+                   for k in range(low.replicas))
     return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
-                    _streams(targets) if targets[0].type == "cuda" else (), writeback)
+                    _streams(targets) if targets[0].type == "cuda" else (), writeback, readers=dict(readers),
+                    kept=kept)
 
 
 @dataclass(frozen=True)

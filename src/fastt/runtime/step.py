@@ -23,6 +23,7 @@ from ..plan.basic import data_parallel, single_device
 from ..strategy import Strategy
 from .decide import decide, tuner_of
 from .local import run_step
+from .meter import StorageMeter
 from .programs import Placed, place
 from .trial import Trial, raced, trial_steps
 from .tune import Tuner
@@ -69,6 +70,7 @@ class ParallelStep(PlacedStep):
         self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
         self.costs, self.placed, self.threads_per_device = costs, placed, threads_per_device
         self.tuner = tuner
+        self.meter: StorageMeter | None = None  # set while `memory.measured_peaks` measures a step
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         tuning = self.tuner is not None and self.tuner.active
@@ -80,7 +82,7 @@ class ParallelStep(PlacedStep):
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
                                                 batch,
-                                                hypers, self.threads_per_device, timings)
+                                                hypers, self.threads_per_device, timings, self.meter)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
         # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):

@@ -1,0 +1,43 @@
+"""Measured memory: the peak bytes each device of a placed step really holds, to check the simulator's.
+
+Worker devices share the process's memory, so a device's memory is counted the way a GPU would hold it: the
+residents the plan gives it (its parameters, optimizer state and buffers), and the storage its thread
+allocates while the step runs, from the moment an op makes a tensor until the last tensor viewing that
+storage is gone (`StorageMeter`, a dispatch mode on the device's thread, sees every aten op's results). Values
+handed to another device are not copied on CPU, so they count on the device that made them for as long as
+anything reads them. The counting is `meter.StorageMeter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..graph import RESIDENT
+from .meter import StorageMeter
+from .step import ParallelStep
+from .trial import restored
+
+
+def resident_bytes(step: ParallelStep) -> list[int]:
+    """Bytes of the residents each device holds under the step's plan."""
+    g, held = step.lowered.graph, [0] * step.strategy.n_devices
+    for op in g.ops:
+        if op.kind in RESIDENT:
+            for d in step.strategy.holders.get(op.name, ()):
+                held[d] += op.out_bytes
+    return held
+
+
+def measured_peaks(step: ParallelStep, batch: Sequence[torch.Tensor]) -> list[int]:
+    """The peak bytes each device holds during one step on `batch`: its residents and what its thread
+    allocates. The model and the optimizer are put back afterwards."""
+    meter = StorageMeter(step.strategy.n_devices)
+    with restored(step.model, step.optimizer):
+        step.meter = meter
+        try:
+            step(*batch)
+        finally:
+            step.meter = None
+    return [held + peak for held, peak in zip(resident_bytes(step), meter.peak)]

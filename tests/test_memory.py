@@ -1,0 +1,91 @@
+"""The simulator's peak memory against the peak a real step holds on each CPU worker device."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from fastt import zoo
+from fastt.cluster import cluster
+from fastt.coarsen import capture_graph
+from fastt.plan.dpos import dpos_strategy
+from fastt.runtime import parallelize
+from fastt.runtime.memory import measured_peaks
+from fastt.runtime.meter import StorageMeter
+from fastt.runtime.programs import release_points
+from fastt.simulate import simulate_plan
+from fastt.split import split
+from fastt.strategy import Split
+
+
+def test_the_meter_counts_each_storage_once_on_the_thread_that_made_it() -> None:
+    meter = StorageMeter(2)
+
+    def work(d: int, n: int) -> None:
+        with meter.on(d):
+            a = torch.ones(n, 100)  # 400n bytes
+            b = a * 2  # 400n more, the peak
+            v = b.t()  # a view: nothing new
+            del a
+            b.add_(1)  # in place: nothing new
+            c = v.sum()  # 4 bytes, while b (through v) lives
+            del b, v, c
+
+    threads = [threading.Thread(target=work, args=(d, 10 * (d + 1))) for d in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert meter.peak == [8000, 16000]
+    assert meter.live == [0, 0]
+
+
+def _peaks(name: str, planner: str = "single",
+           strategy_of=None) -> tuple[list[int], tuple[int, ...]]:
+    w = zoo.get(name, "test")
+    strategy = strategy_of(w) if strategy_of else None
+    step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", planner=planner,
+                       strategy=strategy, trial=False)
+    measured = measured_peaks(step, w.example_inputs)
+    tl = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
+                       release=release_points(step.lowered, step.placed.programs))
+    return measured, tl.peak_memory_bytes
+
+
+def _split_linears(w: zoo.Workload):
+    """Every addmm split in 2 along its rows (the batch), the parts placed by DPOS."""
+    g = dataclasses.replace(capture_graph(w.model, w.loss_fn, w.optimizer, w.example_inputs), recapture=None)
+    splits = tuple(Split(op.name, "rows", 2) for op in g.ops if op.target == "aten.addmm.default")
+    g2 = g
+    for sp in splits:
+        g2 = split(g2, sp.op, sp.dim, sp.parts)
+    return dataclasses.replace(dpos_strategy(g2, cluster("cpu:2")), splits=splits)
+
+
+BOUND = 1.25  # issue 17: the prediction errs on the safe side, by at most a quarter
+
+CASES = [
+    ("mlp", "single", None), ("transformer", "single", None), ("dlrm", "single", None),
+    ("gpt2", "dp", None),
+    pytest.param("transformer", "dp", None, marks=pytest.mark.xfail(
+        strict=True, reason="data parallelism: the real step holds 11% more than simulated (86.0 against 76.7 "
+                            "MB); alexnet, mlp and dlrm 12-16% (not yet found why)")),
+    pytest.param("mlp", "split", _split_linears, marks=pytest.mark.xfail(
+        strict=True, reason="split linears: the simulator over-predicts the receiving device by 1.3x")),
+    pytest.param("resnet50", "single", None, marks=pytest.mark.xfail(
+        strict=True, reason="convolutional nets: the simulator over-predicts by about 1.3x (not yet found why)")),
+    pytest.param("alexnet", "dp", None, marks=pytest.mark.xfail(
+        strict=True, reason="data parallelism: the real step holds 16% more than simulated")),
+]
+
+
+@pytest.mark.parametrize(("name", "planner", "strategy_of"), CASES)
+def test_the_simulated_peak_is_at_least_the_real_one_and_close(name: str, planner: str, strategy_of) -> None:
+    measured, simulated = _peaks(name, "fastt" if strategy_of else planner, strategy_of)
+    for d, (m, s) in enumerate(zip(measured, simulated)):
+        if m == 0 and s == 0:
+            continue
+        assert m <= s <= BOUND * m, f"device {d}: simulated {s / 1e6:.2f} MB, measured {m / 1e6:.2f} MB"
