@@ -134,7 +134,8 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
                 "lower_bound_ratio": tl.iteration_s / tl.lower_bound_s if tl.lower_bound_s else None,
                 "speedup_over_dp": dp_time / tl.iteration_s if dp_time else None, "plan_s": plan_s,
                 "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes], "fits": bool(tl.fits),
-                "oom": list(tl.oom), "splits": len(strategy.splits), "ops": len(graph.ops),
+                "tight": list(tl.tight), "oom": list(tl.oom), "splits": len(strategy.splits),
+                "ops": len(graph.ops),
                 "fx_nodes": graph.fx_nodes, "batch": graph.batch,
                 "inter_node_bytes": inter_node_bytes(tl, cl),
             })
@@ -216,8 +217,9 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
         sp = f"{r['speedup_over_dp']:.2f}x" if r["speedup_over_dp"] else "-"
         lb = f"{r['lower_bound_ratio']:.2f}" if r["lower_bound_ratio"] else "-"
         mem = " ".join(f"{_gb(b):g}" for b in r["peak_memory_bytes"])
+        fits = ("tight" if r.get("tight") else "yes") if r["fits"] else "NO"
         lines.append((r["model"], r["planner"], str(r["batch"]), f"{r['iteration_s'] * 1e3:.1f}", sp, lb,
-                      f"{r['plan_s']:.2f}", mem, "yes" if r["fits"] else "NO", str(r["splits"]))
+                      f"{r['plan_s']:.2f}", mem, fits, str(r["splits"]))
                      + ((f"{r['inter_node_bytes'] / 1e9:.3f}",) if nodes > 1 else ()))
     widths = [max(len(x) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -294,7 +296,8 @@ def cmd_simulate(a: argparse.Namespace) -> None:
         write_gantt(tl, g, a.gantt)
     summary = {"model": a.model, "cluster": a.cluster, "planner": strategy.planner,
                "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s, "fits": bool(tl.fits),
-               "oom": list(tl.oom), "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
+               "oom": list(tl.oom), "tight": list(tl.tight),
+               "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
                "busy_s": [float(b) for b in tl.busy_s], "critical_path_ops": len(tl.critical_path),
                "inter_node_bytes": inter_node_bytes(tl, cl),
                "trace": a.trace, "gantt": a.gantt}
@@ -306,7 +309,9 @@ def cmd_simulate(a: argparse.Namespace) -> None:
     for d, dev in enumerate(cl.devices):
         print(f"  {dev.name}: busy {tl.busy_s[d] * 1e3:.1f} ms, "
               f"peak memory {_gb(tl.peak_memory_bytes[d]):g} GB of {_gb(dev.memory_bytes):g} GB")
-    print("  fits" if tl.fits else "  DOES NOT FIT: " + "; ".join(tl.oom))
+    tight = ", ".join(cl.devices[d].name for d in tl.tight)
+    print(("  fits" + (f", TIGHT (over 90% of memory: {tight})" if tight else "")) if tl.fits
+          else "  DOES NOT FIT: " + "; ".join(tl.oom))
     for path in (a.trace, a.gantt):
         if path:
             print(f"  wrote {path}")

@@ -34,12 +34,10 @@ class Fanout(NamedTuple):
 
 
 class Readers(NamedTuple):
-    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`, which
-    reads `nbytes[k]` of it."""
+    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`."""
 
     copies: list[int]
     ops: list[int]
-    nbytes: list[int]
 
 
 @dataclass
@@ -148,17 +146,16 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
     ar_cons: list[list[int]] = [[] for _ in g.ops]
     ar_need: dict[int, int] = {}
     edges: dict[int, list] = {}
-    readers = Readers([], [], [])
+    readers = Readers([], [])
     for i, op in enumerate(g.ops):
         ins = op.inputs
         pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
         if op.kind == ALLREDUCE:
             ar_need[i] = len(set(ins))
-            for j, b in pairs:
+            for j, _ in pairs:
                 ar_cons[j].append(i)
                 readers.copies.append(j * nd + dev[j])
                 readers.ops.append(i)
-                readers.nbytes.append(b)
             continue
         d = dev[i]
         for j, b in pairs:
@@ -167,7 +164,6 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
             key = j * nd + d
             readers.copies.append(key)
             readers.ops.append(i)
-            readers.nbytes.append(b)
             need[i] += 1
             e = edges.get(key)
             if e is None:

@@ -76,6 +76,16 @@ class Timeline:
     memory_trace: tuple[tuple[np.ndarray, np.ndarray], ...]
     planner: str = ""
 
+    @property
+    def tight(self) -> tuple[int, ...]:
+        """The devices a plan that fits fills past 90% of their memory: the simulator's peak is measured to
+        err by a few percent either way (docs/design.md), so such a plan may still run out."""
+        return tuple(d for d, (p, cap) in enumerate(zip(self.peak_memory_bytes, self.memory_limit_bytes))
+                     if self.fits and p > TIGHT * cap)
+
+
+TIGHT = 0.9  # a fitting plan past this share of a device's memory is reported as tight (issue 17)
+
 
 def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray,
              lower_bound_s: float = 0.0, release: Mapping[str, str] | None = None) -> Timeline:
@@ -198,19 +208,21 @@ def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transf
     is_input = np.array([g.ops[i].kind == INPUT for i in placed], dtype=bool)
     ar = [(a, d) for c in collectives for a in c.ops for d in c.group if out[a] > 0]
     ar_op, ar_dev = (np.array([x[k] for x in ar], dtype=np.int64) for k in range(2))
-    # Received copies and allreduce results are freed whole after their last reader.
-    d_all = np.concatenate([dev[placed], ar_dev, t_dst, ar_dev, t_dst])
-    size = np.concatenate([out[placed], out[ar_op], t_bytes, -out[ar_op], -t_bytes])
-    times = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start,
-                            np.maximum(end[ar_op], last_read(ar_op * nd + ar_dev)),
-                            np.maximum(t_end, last_read(t_op * nd + t_dst))])
-    frees = _producer_frees(g, p, placed, end, (t_op * nd + t_src, t_end, t_bytes), nd)
+    # Every copy is freed whole after its last reader; an update's results (the step's new parameter and
+    # state) live to the step's end.
+    d_all = np.concatenate([dev[placed], ar_dev, t_dst])
+    size = np.concatenate([out[placed], out[ar_op], t_bytes])
+    copies = np.concatenate([placed * nd + dev[placed], ar_op * nd + ar_dev, t_op * nd + t_dst])
+    t_free = np.maximum(np.concatenate([end[placed], end[ar_op], t_end]), last_read(copies))
+    t_free[:len(placed)][[g.ops[i].kind == UPDATE for i in placed]] = end.max(initial=0.0)
+    d_all, size = np.concatenate([d_all, d_all]), np.concatenate([size, -size])
+    times = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start, t_free])
     # An update's temporaries live while it runs.
     temp = np.array([g.ops[i].temp_bytes for i in range(len(g.ops))], dtype=np.int64)
     hot = np.flatnonzero((dev >= 0) & (temp > 0))
-    d_all = np.concatenate([d_all, frees[0], dev[hot], dev[hot]])
-    size = np.concatenate([size, frees[1], temp[hot], -temp[hot]])
-    times = np.concatenate([times, frees[2], start[hot], end[hot]])
+    d_all = np.concatenate([d_all, dev[hot], dev[hot]])
+    size = np.concatenate([size, temp[hot], -temp[hot]])
+    times = np.concatenate([times, start[hot], end[hot]])
     peak, trace = [], []
     for d in range(nd):
         m = d_all == d
@@ -220,40 +232,6 @@ def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transf
         trace.append((np.concatenate([[0.0], at[o]]), np.concatenate([[base[d]], level])))
         peak.append(int(max(base[d], level.max(initial=0))))
     return tuple(peak), tuple(trace)
-
-
-def _producer_frees(g: OpGraph, p: EventPlan, placed: np.ndarray, end: np.ndarray,
-                    sends: tuple[np.ndarray, np.ndarray, np.ndarray], nd: int) -> tuple[np.ndarray, ...]:
-    """(device, -bytes, time) of the frees of each placed op's own copy of its results. An op's results are
-    freed in steps as its readers finish: after each, it keeps what the readers still to finish read (their
-    bytes summed, at most its output), so batch norm's output goes once its reader has run although its saved
-    statistics live into the backward. An update's results live to the end of the step."""
-    out = np.array([g.ops[i].out_bytes for i in placed], dtype=np.int64)
-    dev = np.array(p.dev, dtype=np.int64)[placed]
-    key_of = placed * nd + dev
-    # Every read of a copy: by a local op or an allreduce, or an outgoing transfer.
-    keys = np.concatenate([np.array(p.readers.copies, dtype=np.int64), sends[0]])
-    ends = np.concatenate([end[np.array(p.readers.ops, dtype=np.int64)], sends[1]])
-    read = np.concatenate([np.array(p.readers.nbytes, dtype=np.int64), sends[2]])
-    update = np.array([g.ops[i].kind == UPDATE for i in placed], dtype=bool)
-    at = np.searchsorted(key_of, keys)  # key_of is sorted: placed is, and dev < nd
-    at = np.minimum(at, max(len(key_of) - 1, 0))
-    mine = (key_of[at] == keys) & ~update[at] if len(key_of) else np.zeros(len(keys), dtype=bool)
-    k, e, b = at[mine], np.maximum(ends[mine], end[placed][at[mine]]), read[mine]
-    o = np.lexsort((e, k))
-    k, e, b = k[o], e[o], b[o]
-    first = np.r_[True, k[1:] != k[:-1]] if len(k) else np.zeros(0, dtype=bool)
-    group_total = np.zeros(len(placed), dtype=np.int64)
-    np.add.at(group_total, k, b)
-    run = np.cumsum(b)
-    done = run - np.repeat(run[first] - b[first], np.diff(np.r_[np.flatnonzero(first), len(k)]))  # per copy
-    after = np.minimum(out[k], group_total[k] - done)
-    before = np.where(first, out[k], np.r_[0, after[:-1]])
-    unread = np.setdiff1d(np.flatnonzero(~update), k)
-    tail = np.flatnonzero(update)
-    return (np.concatenate([dev[k], dev[unread], dev[tail]]),
-            np.concatenate([after - before, -out[unread], -out[tail]]),
-            np.concatenate([e, end[placed][unread], np.full(len(tail), end.max(initial=0.0))]))
 
 
 def _critical_path(g: OpGraph, end: list[float], crit: list[int]) -> tuple[str, ...]:

@@ -21,7 +21,9 @@ every GPU.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import operator
+import re
 import threading
 import time
 from collections import Counter
@@ -94,6 +96,17 @@ class _Run:
             for name in (*read, *written):
                 if left.get((k, name), 0) <= 0 and name not in kept:
                     env.pop(name, None)
+
+    def take(self, seg: Segment) -> list:
+        """The inputs of generated segment `seg`, those it reads last taken out of the table, so that the
+        code frees each after its last use there (the gradients a run of updates reads, one by one)."""
+        env = self.envs[seg.replica]
+        if self.left is None:
+            return [env[name] for name in seg.inputs]
+        kept, left, k = self.programs.kept, self.left, seg.replica
+        with self.lock:
+            last = {name for name in seg.inputs if left[k, name] == 1 and name not in kept}
+            return [env.pop(name) if name in last else env[name] for name in seg.inputs]
 
     def wait(self, op: int, d: int) -> bool:
         """Wait for op's results on device d; False when another device failed (stop)."""
@@ -225,8 +238,18 @@ class _Run:
             args, kwargs = args_of(n)
             env[name] = n.target(*args, **kwargs)
 
-    def culprit(self, seg: Segment, d: int) -> Task:
-        """The task of a failed generated segment that raises when its nodes run one by one."""
+    def culprit(self, seg: Segment, d: int, e: BaseException) -> Task:
+        """The task of a failed generated segment: the one whose node the code was running (read off the
+        traceback's line of generated code), else the first that raises when its nodes run one by one."""
+        tb, name = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith("<eval_with_key"):
+                line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+                name = m.group(1) if (m := re.match(r"\s*(\w+) = ", line)) else name
+            tb = tb.tb_next
+        for t in seg.tasks:
+            if name in t.nodes:
+                return t
         for t in seg.tasks:
             try:
                 self.interpret(t, d)
@@ -249,11 +272,11 @@ class _Run:
                 for t in seg.tasks:
                     self.interpret(t, d)
             elif self.cuda:
-                env.update(zip(seg.outputs, seg.fn(*[self.get(seg.replica, name, d) for name in seg.inputs])))
+                env.update(zip(seg.outputs, seg.fn([self.get(seg.replica, name, d) for name in seg.inputs])))
             else:
-                env.update(zip(seg.outputs, seg.fn(*[env[name] for name in seg.inputs])))
+                env.update(zip(seg.outputs, seg.fn(self.take(seg))))
         except BaseException as e:  # noqa: BLE001 - reported with the op's name, other devices stop
-            self.fail((self.culprit(seg, d) if seg.fn is not None else seg.tasks[-1]).name, d, e)
+            self.fail((self.culprit(seg, d, e) if seg.fn is not None else seg.tasks[-1]).name, d, e)
             return False
         if self.timings is not None:
             if start is not None:  # GPU time, read once the step has synchronized

@@ -32,8 +32,8 @@ from ..strategy import Strategy
 @dataclass(frozen=True)
 class Segment:
     """Consecutive tasks of one device and replica that run without waiting once `waits` (ops of other
-    devices, allreduces) have finished. `fn(*inputs) -> outputs` is their generated code (None for a split
-    part or join)."""
+    devices, allreduces) have finished. `fn([*inputs]) -> outputs` is their generated code (None for a split
+    part or join); it takes its inputs as one list, which it empties."""
 
     replica: int
     tasks: tuple[Task, ...]
@@ -80,6 +80,9 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
         values[name] = g.node_copy(nodes[name], lambda a: values[a.name])
         values[name].kwargs = on_device(values[name].kwargs, device)
     g.output(tuple(values[name] for name in outputs))
+    # AOTAutograd's calling convention: the code takes its inputs as one list and empties it, so an input
+    # the caller gave up is freed after its last use inside the code, not when the code returns.
+    g.set_codegen(fx.graph._BoxedCodeGen())
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
 
 
