@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import api
+from . import api, netns
 from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, measure_step
@@ -325,6 +325,8 @@ def cmd_run(a: argparse.Namespace) -> None:
     warn_oversubscribed(a.devices)
     if a.data and not (is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
         raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
+    if a.network is not None:
+        check_network(a)
     if a.launcher == "torchrun":
         out = run_torchrun(a, planners)
         print(json.dumps(out) if a.json else format_run(out))
@@ -342,6 +344,23 @@ def cmd_run(a: argparse.Namespace) -> None:
     with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
     print(json.dumps(out) if a.json else format_run(out))
+
+
+def check_network(a: argparse.Namespace) -> None:
+    """`--network`: torchrun's ranks on CPU devices (gloo's traffic goes through the loopback), and a capped
+    namespace this process can make; a FasttError saying which is not so."""
+    if a.launcher != "torchrun" or not re.fullmatch(r"cpu:\d+", a.devices.strip().lower()):
+        raise FasttError(f"--network {a.network.rate} caps the loopback between the ranks' processes: use it "
+                         "with --launcher torchrun --devices cpu:N")
+    netns.check(a.network)
+
+
+def network_rate(text: str) -> netns.Network:
+    """An argparse type: `--network RATE` as tc writes a rate."""
+    try:
+        return netns.network(text)
+    except FasttError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
 def warn_oversubscribed(devices: str) -> None:
@@ -447,6 +466,10 @@ def parser() -> argparse.ArgumentParser:
                         "every node)")
     p.add_argument("--timeout", type=positive_float, default=20.0,
                    help="torchrun: seconds a rank waits for a peer")
+    p.add_argument("--network", type=network_rate, default=None, metavar="RATE",
+                   help="torchrun on cpu:N: run the ranks in a private network namespace whose loopback is "
+                        "capped at RATE (tc's form: 1gbit, 100mbit, 10gbit), a slow network on one machine "
+                        "(needs root, unshare and tc; the namespace goes with the run)")
     training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=positive_int, default=None)
