@@ -171,3 +171,27 @@ def test_planner_summary_means_speedups_per_cluster_set_without_the_toys() -> No
     s = summarize(rows)
     assert s["geomean_speedup_over_dp"] == {"comm-bound": pytest.approx(4.0), "nvlink": pytest.approx(1.1)}
     assert s["cases"] == 4 and s["fastt_not_best"] == ["vgg19 on 8xV100: fastt 1000.0 ms, owt 900.0 ms"]
+
+
+def test_network_benchmark_small(tmp_path: Path) -> None:
+    """mlp over a loopback capped at 1gbit on 2 ranks (skipped, with the reason, where no namespace can be made):
+    every plan measured beside its simulated time, and the doc generated from the JSON."""
+    from fastt import netns
+
+    if why := netns.unavailable():
+        pytest.skip(f"cannot make a capped network namespace: {why}")
+    summary = bench("network", tmp_path)
+    data = json.loads((tmp_path / "network-small.json").read_text())
+    (row,) = data["rows"]
+    assert row["network"] == "1gbit" and row["devices"] == "gloo:2", row
+    t = {r["planner"]: r for r in row["results"]}
+    assert sorted(t) == ["dp", "eager", "fastt"] and all(positive(r["measured_iteration_s"]) for r in t.values())
+    for p in ("fastt", "dp"):
+        sim, measured = t[p]["simulated_iteration_s"], t[p]["measured_iteration_s"]
+        assert positive(sim) and t[p]["error"] == pytest.approx((sim - measured) / measured)
+    assert summary["dp_over_fastt"] == {"mlp@1gbit": pytest.approx(t["dp"]["measured_iteration_s"]
+                                                                  / t["fastt"]["measured_iteration_s"])}
+    median = statistics.median(abs(t[p]["error"]) for p in ("fastt", "dp"))
+    assert summary["median_abs_error"] == pytest.approx(median) and median < MAX_MEDIAN_ERROR, row["results"]
+    doc = script("network").render(data)
+    assert "| 2 | 1gbit | mlp |" in doc and "## Targets" in doc and "megatron" in doc

@@ -182,9 +182,19 @@ def test_bad_input_is_one_error_line(case: str, bad_runs: dict[str, subprocess.C
 
 
 def test_demo_compares_planners(tmp_path: Path) -> None:
-    out = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", "--mixed-models",
-                   "lenet", "--mixed-cluster", "2x2xV100", cwd=tmp_path)).stdout
-    real, example, simulated, mixed = out.split("\n\n", 3)
+    from test_network import CANNOT
+
+    r = ok(fastt("demo", "--run-model", "mlp", "--models", "mlp", "--clusters", "2xV100", "--mixed-models",
+                 "lenet", "--mixed-cluster", "2x2xV100", "--network-model", "mlp", cwd=tmp_path))
+    out = r.stdout
+    if CANNOT is None:  # a run over a loopback capped at 1gbit: fastt's plan beside DP's, measured
+        real, slow, example, simulated, mixed = out.split("\n\n", 4)
+        assert slow.startswith("mlp trained for real on gloo:2 over a loopback capped at 1gbit"), slow
+        assert [line.split()[0] for line in slow.splitlines()[1:3]] == ["fastt", "dp"]
+        assert re.search(r"over this slow network DP's measured step is \d+\.\dx fastt's", slow)
+    else:  # one line says why, and the demo goes on
+        real, example, simulated, mixed = out.split("\n\n", 3)
+        assert "fastt: demo: no run over a slow network here: --network 1gbit: cannot" in r.stderr, r.stderr
     assert real.startswith("mlp trained for real on cpu:2")
     accuracy = re.match(r"digits: test accuracy (\S+)%", example)
     assert accuracy and float(accuracy.group(1)) >= 90 and (tmp_path / "digits_loss.png").is_file()

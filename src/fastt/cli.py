@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import api
+from . import api, netns
 from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, measure_step
@@ -330,6 +330,8 @@ def cmd_run(a: argparse.Namespace) -> None:
     warn_oversubscribed(a.devices)
     if a.data and not (is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
         raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
+    if a.network is not None:
+        check_network(a)
     if a.launcher == "torchrun":
         out = run_torchrun(a, planners)
         print(json.dumps(out) if a.json else format_run(out))
@@ -347,6 +349,23 @@ def cmd_run(a: argparse.Namespace) -> None:
     with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
     print(json.dumps(out) if a.json else format_run(out))
+
+
+def check_network(a: argparse.Namespace) -> None:
+    """`--network`: torchrun's ranks on CPU devices (gloo's traffic goes through the loopback), and a capped
+    namespace this process can make; a FasttError saying which is not so."""
+    if a.launcher != "torchrun" or not re.fullmatch(r"cpu:\d+", a.devices.strip().lower()):
+        raise FasttError(f"--network {a.network.rate} caps the loopback between the ranks' processes: use it "
+                         "with --launcher torchrun --devices cpu:N")
+    netns.check(a.network)
+
+
+def network_rate(text: str) -> netns.Network:
+    """An argparse type: `--network RATE` as tc writes a rate."""
+    try:
+        return netns.network(text)
+    except FasttError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
 def warn_oversubscribed(devices: str) -> None:
@@ -376,6 +395,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
     out = run_planners(make, "cpu:2", ["fastt", "dp", "single", "eager"], 16, check=True, tune=True)
     print(json.dumps(out) if a.json else format_run(out) + "\n")
+    demo_network(a)
     # A user's loop end to end: an LR schedule and clipping around fastt, trained to a test accuracy.
     digits.main(["--small", "--plot", "digits_loss.png", *(["--json"] if a.json else [])])
     if not a.json:
@@ -392,6 +412,24 @@ def cmd_demo(a: argparse.Namespace) -> None:
                    progress=not a.json)
     print(json.dumps({"cluster": a.mixed_cluster, "results": rows}) if a.json else
           "Mixed plans, where DP's gradients cross the nodes:\n" + format_table(rows, cl))
+
+
+def demo_network(a: argparse.Namespace) -> None:
+    """The demo's run over a slow network: `a.network_model` on 2 ranks over a loopback capped at
+    `a.network`, fastt's plan and DP measured; where no capped namespace can be made, one line saying so."""
+    run = parser().parse_args(["run", "--model", a.network_model, "--launcher", "torchrun",
+                               "--devices", "cpu:2", "--network", a.network.rate, "--planners", "fastt,dp",
+                               "--steps", "6"])
+    try:
+        check_network(run)
+    except FasttError as e:
+        print(f"fastt: demo: no run over a slow network here: {e}", file=sys.stderr, flush=True)
+        return
+    out = run_torchrun(run, ["fastt", "dp"])
+    t = {r["planner"]: r["measured_iteration_s"] for r in out["results"]}
+    print(json.dumps(out) if a.json else
+          f"{format_run(out)}\n  over this slow network DP's measured step is {t['dp'] / t['fastt']:.1f}x "
+          "fastt's\n")
 
 
 def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> None:
@@ -452,6 +490,10 @@ def parser() -> argparse.ArgumentParser:
                         "every node)")
     p.add_argument("--timeout", type=positive_float, default=20.0,
                    help="torchrun: seconds a rank waits for a peer")
+    p.add_argument("--network", type=network_rate, default=None, metavar="RATE",
+                   help="torchrun on cpu:N: run the ranks in a private network namespace whose loopback is "
+                        "capped at RATE (tc's form: 1gbit, 100mbit, 10gbit), a slow network on one machine "
+                        "(needs root, unshare and tc; the namespace goes with the run)")
     training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=positive_int, default=None)
@@ -465,6 +507,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-models", default="alexnet,vgg19,dlrm",
                    help="models whose mixed plans are compared on --mixed-cluster")
     p.add_argument("--mixed-cluster", default="2x4xV100")
+    p.add_argument("--network", type=network_rate, default=netns.network("1gbit"), metavar="RATE",
+                   help="the rate of the demo's run over a slow network (torchrun's ranks in a private "
+                        "network namespace, its loopback capped; skipped where none can be made)")
+    p.add_argument("--network-model", default="dlrm", help="the zoo model trained over the slow network")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_demo)
     return top

@@ -132,7 +132,8 @@ def format_run(out: dict) -> str:
     """The text of a `fastt run` result (the dict `--json` prints): measured and simulated time per planner,
     the time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism
     kept."""
-    lines = [(f"{out['model']} trained for real on {out['devices']}, {out['steps']} steps "
+    over = f" over a loopback capped at {out['network']}" if out.get("network") else ""
+    lines = [(f"{out['model']} trained for real on {out['devices']}{over}, {out['steps']} steps "
              "(median step time after the first)")]
     for r in out["results"]:
         simulated = r["simulated_iteration_s"]

@@ -23,25 +23,29 @@ from pathlib import Path
 
 from .cluster import cluster, cuda_cluster
 from .errors import FasttError, Interrupted
+from .netns import capped
 
 
 def run_torchrun(a: argparse.Namespace, planners: Sequence[str]) -> dict:
     """`fastt run` with one process per device: torchrun on this machine running `python -m fastt.launch`.
-    torchrun's own output goes to a log file, kept (and named) only if the job fails."""
+    torchrun's own output goes to a log file, kept (and named) only if the job fails. With `a.network` (a
+    `netns.Network`), torchrun and its ranks run in a network namespace of their own, its loopback capped."""
     nproc, device, env = _torchrun_ranks(a.devices)
     fd, log_path = tempfile.mkstemp(prefix="fastt-torchrun-", suffix=".log")
     keep_log = False
     try:
         with tempfile.TemporaryDirectory() as tmp, os.fdopen(fd, "w") as log:
             out_path = Path(tmp) / "run.json"
+            cmd = _torchrun_command(a, planners, nproc, device, out_path)
+            net = a.network
             # torchrun's own temporary files too, so that they go with the folder even when it is killed
-            rc = run_group(_torchrun_command(a, planners, nproc, device, out_path),
-                           {**env, "TMPDIR": tmp}, log)
+            rc = run_group(capped(net, cmd) if net else cmd, {**env, "TMPDIR": tmp}, log)
             if rc != 0 or not out_path.is_file():
                 keep_log = True
                 raise FasttError(f"torchrun failed: {_rank_failure(Path(log_path))} "
                                  f"(torchrun's log: {log_path})")
-            return json.loads(out_path.read_text())
+            out = json.loads(out_path.read_text())
+            return {**out, "network": net.rate} if net else out
     finally:
         if not keep_log:
             Path(log_path).unlink(missing_ok=True)
