@@ -28,7 +28,8 @@ class Op:
     `inputs[k]` is the index of a producer and `in_bytes[k]` the bytes this op reads from it (an edge's
     transfer size). `out_bytes` is what the op allocates for its results: 0 for an op whose results are
     written in place into resident tensors (`updates` lists those, by index), as an optimizer step does.
-    `batch` is True when the op's work depends on the input batch (data parallelism divides it).
+    `batch` is True when the op's work depends on the input batch (data parallelism divides it). `dtype`: what
+    its FLOPs are computed in (its matmul's or convolution's inputs: "bfloat16" under autocast), "" for none.
     """
 
     name: str
@@ -46,6 +47,7 @@ class Op:
     head: str = ""  # the fx node of the op's main aten call ("" for residents, inputs, hand-built ops)
     arg_inputs: tuple[int, ...] = ()  # per positional arg of `head`: its position in `inputs`, or -1
     split: tuple[str, int, int] | tuple[()] = ()  # (dim name, part index, parts) for a part of a split op
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
