@@ -116,3 +116,19 @@ def test_an_autocast_dtype_fastt_does_not_capture_is_refused() -> None:
     w = zoo.get("mlp", "test")
     with pytest.raises(FasttError, match="bfloat16"):
         capture_step(w.model, w.loss_fn, w.optimizer, w.example_inputs, autocast=torch.float64)
+
+
+def test_bf16_plans_run_on_cpu_worker_devices_as_eager_autocast() -> None:
+    """On cpu:2, data parallelism and DPOS's plan train in bf16 as eager under the same autocast, step by step
+    from the same state (DP's mean sums in replica order, another order than one device's kernel)."""
+    from fastt.runtime.bench import run_planners
+
+    def make() -> tuple:
+        torch.manual_seed(0)
+        w = zoo.get("mlp", "test", dropout=False)
+        return w.name, w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+    out = run_planners(make, "cpu:2", ["dp", "dpos"], 3, check=True, trial=False, autocast=torch.bfloat16)
+    assert out["precision"] == "bf16"
+    assert out["max_param_rel_diff"] < BF16_UNIT
+    assert all(r["simulated_iteration_s"] > 0 for r in out["results"])
