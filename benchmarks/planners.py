@@ -14,16 +14,19 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 import fastt
 from fastt import zoo
 from fastt.errors import FasttError
 from fastt.plan.portfolio import OPTIONAL
+from fastt.precision import NAMES, dtype_of
 
 ROOT = Path(__file__).resolve().parent.parent
 COMM_BOUND = ("8xA100-pcie", "2x4xV100", "2x4xV100-pcie", "2x4xA100@25Gbps", "4x1xV100@10Gbps")
@@ -34,14 +37,19 @@ PLANNERS_SHOWN = ("fastt", "dp", "os-dpos", "search", "owt", "table-wise", "pipe
 TOYS = ("lenet", "mlp")  # left out of the means: tiny steps where launch and allreduce latency are all there is
 
 
-def run(models: list[str], clusters: list[str], planners: list[str], size: str) -> list[dict]:
+def run(models: list[str], clusters: list[str], planners: list[str], size: str,
+        precision: str = "fp32") -> list[dict]:
     rows = []
     bar = tqdm(total=len(models) * len(clusters) * len(planners), file=sys.stderr)
+    autocast = dtype_of(precision)
     for m in models:
         w = zoo.get(m, size)
-        graph = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name=m)
+        graph = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name=m, autocast=autocast)
         for c in clusters:
             cl = fastt.cluster(c)
+            if autocast is torch.bfloat16 and any(d.bf16_flops == 0 for d in cl.devices):
+                bar.update(len(planners))  # no bf16 tensor cores (V100): fastt refuses bf16 there
+                continue
             plans = {}
             for p in planners:
                 bar.set_postfix_str(f"{m} {c} {p}")
@@ -149,6 +157,23 @@ Cases where `fastt` is not the fastest plan that fits:
 {notes}"""
 
 
+def write_doc(doc: Path, text: str, precision: str) -> None:
+    """docs/benchmarks.md: the fp32 tables are the file, each other precision's a block in it (between
+    `<!-- planners-bf16 -->` and `<!-- /planners-bf16 -->`), and so is benchmarks/precision.py's; a rewrite
+    keeps the blocks it does not write."""
+    old = doc.read_text() if doc.is_file() else ""
+    blocks = {m[1]: m[0] for m in re.finditer(r"<!-- ([\w-]+)[^>]*-->.*?<!-- /\1 -->", old, re.DOTALL)}
+    if precision != "fp32":
+        key = f"planners-{precision}"
+        body = text.replace("# Planner benchmarks", f"## Planner benchmarks in {precision}", 1)
+        body = body.replace("## Reading the table", "### Reading the table", 1)
+        body = body.replace("`out/planners.json`", f"`out/planners-{precision}.json` (a reduced run: not every "
+                            "model and cluster of the fp32 table)", 1)
+        blocks[key] = f"<!-- {key} -->\n{body.rstrip()}\n<!-- /{key} -->"
+        text = old[:old.index("<!-- ")].rstrip("\n") + "\n" if "<!-- " in old else old
+    doc.write_text(text.rstrip("\n") + "\n\n" + "\n\n".join(blocks.values()) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     what = ap.add_mutually_exclusive_group()  # --small never writes the doc, --render only writes it
@@ -158,22 +183,27 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--clusters", default=",".join(COMM_BOUND + NVLINK))
     ap.add_argument("--planners", default=",".join(PLANNERS_SHOWN))
+    ap.add_argument("--precision", default="fp32", choices=tuple(NAMES),
+                    help="capture under torch.autocast (bf16: V100 clusters are left out); not fp32: "
+                         "out/planners-PRECISION.json and its own table in docs/benchmarks.md")
     a = ap.parse_args()
+    doc = ROOT / "docs/benchmarks.md"
+    name = "planners.json" if a.precision == "fp32" else f"planners-{a.precision}.json"
     if a.render:
-        d = json.loads((a.out / "planners.json").read_text())
-        (ROOT / "docs/benchmarks.md").write_text(render(d["rows"], d["summary"], "benchmarks/planners.py"))
+        d = json.loads((a.out / name).read_text())
+        write_doc(doc, render(d["rows"], d["summary"], "benchmarks/planners.py"), a.precision)
         return
     if a.small:
         models, clusters, size = ["mlp", "lenet"], ["2xV100", "4xV100"], "test"
     else:
         models, clusters, size = a.models.split(","), a.clusters.split(","), "paper"
-    rows = run(models, clusters, a.planners.split(","), size)
+    rows = run(models, clusters, a.planners.split(","), size, a.precision)
     summary = summarize(rows)
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / ("planners-small.json" if a.small else "planners.json")
+    out = a.out / ("planners-small.json" if a.small else name)
     out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if not a.small:
-        (ROOT / "docs/benchmarks.md").write_text(render(rows, summary, " ".join(["benchmarks/planners.py", *sys.argv[1:]])))
+        write_doc(doc, render(rows, summary, " ".join(["benchmarks/planners.py", *sys.argv[1:]])), a.precision)
     print(json.dumps(summary))
 
 

@@ -89,6 +89,18 @@ def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) 
         assert r["measured_iteration_s"] > 0 and r["simulated_iteration_s"] > 0
 
 
+def test_bf16_plans_over_gloo_train_as_eager_autocast(tmp_path: Path) -> None:
+    """Under --precision bf16 the ranks run the captured autocast step; gradients are fp32 (a parameter's
+    dtype) and reduced in fp32, as DDP does: data parallelism equals the local runtime's, within bf16's unit
+    of eager under the same autocast."""
+    rc, _, err = run(2, "--model", "mlp", "--planners", "dp,dpos", "--steps", "4", "--check", "--check-steps",
+                     "--precision", "bf16", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text())["precision"] == "bf16"
+    for planner, r in results(tmp_path / "out.json").items():
+        assert r["max_param_rel_diff"] < 2.0**-8, (planner, r)
+
+
 def test_the_others_wait_for_rank_0s_eager_check_however_long_it_takes(tmp_path: Path) -> None:
     """Rank 0 checks 60 steps against eager alone (several seconds here) while the other rank waits for it past
     its 3 s timeout, as long as rank 0's heartbeat goes on (a barrier would have timed out)."""

@@ -26,7 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.func import functional_call, functionalize
 from torch.fx import GraphModule
 
-from . import guards
+from . import guards, precision
 from .errors import FasttError
 from .loss import Reduction, reduction_of
 
@@ -204,7 +204,8 @@ class Step:
     optimizer at every call) or ("weight", "") (the factor the loss's gradient is scaled by: 1 for the whole
     batch, a replica's share of the whole batch's loss under data parallelism); `outputs` likewise names the
     graph outputs. Buffers include frozen parameters (`requires_grad=False`): read, never updated. `reduction`
-    says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs.
+    says how the loss reduces over the batch (`fastt.loss`), which data parallelism needs. `autocast`: the
+    dtype the forward was captured under `torch.autocast` in (None: none).
     """
 
     gm: GraphModule
@@ -217,6 +218,7 @@ class Step:
     hyper_keys: list[tuple[str, ...]] = field(default_factory=list)
     reduction: Reduction | None = None
     structure: dict = field(default_factory=dict, repr=False)
+    autocast: torch.dtype | None = None
 
     def check(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
               replicas: int = 1) -> None:
@@ -392,13 +394,14 @@ def _clipped(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     return [g * coef for g in grads]
 
 
-def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys, clip_grad_norm):
+def _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, hyper_keys, clip_grad_norm, low):
     def step(params, buffers, states, *rest):
         *batch, hypers, weight = rest
 
         def loss_of(ps, bufs):
             tensors = {f"model.{n}": t for n, t in [*zip(names, ps), *zip(buffer_names, bufs)]}
-            loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
+            with precision.autocast(low, batch):
+                loss = functional_call(_WithLoss(model, loss_fn), tensors, tuple(batch))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise FasttError("loss_fn must return a scalar tensor "
                                  "(reduce the loss with a mean or a sum), got "
@@ -456,13 +459,17 @@ def _no_tf32_note() -> Iterator[None]:
 
 
 def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                 example_inputs: Sequence[torch.Tensor], clip_grad_norm: float | None = None) -> Step:
+                 example_inputs: Sequence[torch.Tensor], clip_grad_norm: float | None = None,
+                 autocast: torch.dtype | None = None) -> Step:
     """Trace one training step of `model` into a Step (aten ops, fake tensors: no real memory needed).
 
     Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`. With `clip_grad_norm`, the
     gradients are clipped to that global norm before the update, as `torch.nn.utils.clip_grad_norm_` does.
+    With `autocast` (torch.bfloat16 or torch.float16) the forward and the loss run under `torch.autocast` on
+    the model's device, the backward and the update outside it, as in an eager loop (`fastt.precision`).
     """
     check_clip(clip_grad_norm)
+    precision.check(autocast)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FasttError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     example_inputs = tuple(example_inputs)
@@ -484,7 +491,7 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         params, buffers, states = bind(model, optimizer, names, state_keys, create=False)
         hypers = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer, keys)]
         weight = torch.ones((), dtype=torch.float64)
-    fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm)
+    fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm, autocast)
     was_training = model.training
     model.train()
     try:
@@ -512,4 +519,4 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     batch = int(example_inputs[0].shape[0]) if example_inputs[0].dim() else 1
     return Step(gm=gm, param_names=names, buffer_names=buffer_names, state_keys=state_keys, roles=roles,
                 outputs=outputs, batch=batch, hyper_keys=keys, reduction=reduction_of(gm, roles),
-                structure=_structure(model, optimizer, example_inputs))
+                structure=_structure(model, optimizer, example_inputs), autocast=autocast)

@@ -18,13 +18,14 @@ from tqdm import tqdm
 from . import api, netns
 from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
-from .cost import MeasuredCosts, calibrate_cpu, measure_step
+from .cost import MeasuredCosts, calibrate_cpu, check_bf16, measure_step
 from .errors import FasttError, Interrupted
 from .graph import OpGraph
-from .launch import fault_spec, positive_float, positive_int, training_options
+from .launch import fault_spec, positive_float, positive_int, precision_option, training_options
 from .layers import where
 from .plan import PLANNERS, get_planner
 from .plan.portfolio import OPTIONAL
+from .precision import dtype_of
 from .report import format_run, write_gantt, write_trace
 from .simulate import inter_node_bytes
 from .split import graph_for
@@ -58,10 +59,20 @@ def check_writable(*paths: str | None) -> None:
             target.unlink()
 
 
-def load_graph(spec: str, size: str, batch: int | None, optimizer: str | None) -> OpGraph:
-    """Capture the training step of a model spec (see load_workload)."""
+def load_graph(spec: str, size: str, batch: int | None, optimizer: str | None,
+               autocast: torch.dtype | None = None) -> OpGraph:
+    """Capture the training step of a model spec (see load_workload), its forward under `torch.autocast` in
+    `autocast` if given."""
     name, model, loss_fn, opt, inputs = load_workload(spec, size, batch, optimizer)
-    return api.capture(model, loss_fn, opt, inputs, name=name)
+    return api.capture(model, loss_fn, opt, inputs, name=name, autocast=autocast)
+
+
+def precision_for(a: argparse.Namespace, cl: Cluster | None = None) -> torch.dtype | None:
+    """The autocast dtype of `--precision`, refused before the capture where the cluster cannot run it."""
+    dtype = dtype_of(a.precision)
+    if dtype == torch.bfloat16 and cl is not None:
+        check_bf16(cl)
+    return dtype
 
 
 def measured_costs(workload: tuple, graph: OpGraph, strategy: Strategy,
@@ -87,15 +98,17 @@ def _gb(n: float) -> float:
 
 
 def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-            optimizer: str | None, progress: bool = True, budget_s: float | None = None) -> list[dict]:
-    """Every planner on every model, simulated: the rows of `fastt compare`."""
+            optimizer: str | None, progress: bool = True, budget_s: float | None = None,
+            autocast: torch.dtype | None = None) -> list[dict]:
+    """Every planner on every model, simulated (the forward under `torch.autocast` in `autocast`, if given):
+    the rows of `fastt compare`."""
     check_models(models)
     rows = []
     # Only on a terminal (disable=None), and cleared on an error, so that a failure leaves one line on stderr.
     bar = tqdm(total=len(models) * len(planners), desc="compare", disable=None if progress else True,
                file=sys.stderr)
     try:
-        rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar, budget_s)
+        rows = _compare_rows(models, cl, planners, size, batch, optimizer, bar, budget_s, autocast)
     except BaseException:
         bar.leave = False
         raise
@@ -105,11 +118,12 @@ def compare(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: s
 
 
 def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], size: str, batch: int | None,
-                  optimizer: str | None, bar: tqdm, budget_s: float | None) -> list[dict]:
+                  optimizer: str | None, bar: tqdm, budget_s: float | None,
+                  autocast: torch.dtype | None) -> list[dict]:
     rows = []
     for m in models:
         bar.set_postfix_str(f"capturing {m}")
-        graph = load_graph(m, size, batch, optimizer)
+        graph = load_graph(m, size, batch, optimizer, autocast)
         results = {}
         for p in planners:
             bar.set_postfix_str(f"{m}: {p}")
@@ -143,16 +157,16 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
 
 
 def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str | None,
-                    budget_s: float | None = None) -> list[dict]:
+                    budget_s: float | None = None, autocast: torch.dtype | None = None) -> list[dict]:
     """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan
     the simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch
     is a capture of its own, shared by the planners."""
     n = len(cl.devices)
-    graphs: dict[int | None, OpGraph] = {None: load_graph(model, size, None, optimizer)}
+    graphs: dict[int | None, OpGraph] = {None: load_graph(model, size, None, optimizer, autocast)}
 
     def run(b: int, p: str):  # the simulated timeline of p's plan at batch b, None where p has no plan
         if b not in graphs:
-            graphs[b] = load_graph(model, size, b, optimizer)
+            graphs[b] = load_graph(model, size, b, optimizer, autocast)
         try:
             return api.simulate(graphs[b], api.plan(graphs[b], cl, p, budget_s=budget_s), cl)
         except FasttError:
@@ -235,17 +249,19 @@ def format_table(rows: list[dict], cl: Cluster) -> str:
 
 def cmd_compare(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
+    autocast = precision_for(a, cl)
     planners = [p.strip() for p in a.planners.split(",")]
     for p in planners:
         get_planner(p)
     if a.max_batch:
         models = [m.strip() for m in a.model.split(",")]
         check_models(models)
-        rows = [r for m in models for r in largest_batches(m, cl, planners, a.size, a.optimizer, a.budget)]
+        rows = [r for m in models
+                for r in largest_batches(m, cl, planners, a.size, a.optimizer, a.budget, autocast)]
         print(json.dumps({"cluster": a.cluster, "results": rows}) if a.json else format_largest(rows, cl))
         return
     rows = compare([m.strip() for m in a.model.split(",")], cl, planners, a.size, a.batch, a.optimizer,
-                   progress=not a.json, budget_s=a.budget)
+                   progress=not a.json, budget_s=a.budget, autocast=autocast)
     if a.json:
         print(json.dumps({"cluster": a.cluster, "results": rows}))
     else:
@@ -256,13 +272,14 @@ def cmd_plan(a: argparse.Namespace) -> None:
     cl = cluster(a.cluster)
     check_writable(a.out)
     get_planner(a.planner)  # fail before the capture, which may take seconds
-    graph = load_graph(a.model, a.size, a.batch, a.optimizer)
+    graph = load_graph(a.model, a.size, a.batch, a.optimizer, precision_for(a, cl))
     strategy = api.plan(graph, cl, a.planner, budget_s=a.budget)
     if a.out:
         strategy.save(a.out)
     tl = api.simulate(graph, strategy, cl)
     held = where(graph, strategy.holders, [d.node for d in cl.devices])
-    summary = {"model": a.model, "cluster": a.cluster, "planner": a.planner, "iteration_s": tl.iteration_s,
+    summary = {"model": a.model, "cluster": a.cluster, "planner": a.planner, "precision": a.precision,
+               "iteration_s": tl.iteration_s,
                "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes,
                "layers": [{"layers": names, "held_on": devs} for names, devs in held]}
     print(json.dumps(summary) if a.json else
@@ -284,8 +301,9 @@ def cmd_simulate(a: argparse.Namespace) -> None:
     loaded = Strategy.load(a.strategy) if a.strategy else None
     if loaded is None:
         get_planner(a.planner)
+    autocast = precision_for(a, cl)
     workload = load_workload(a.model, a.size, a.batch, a.optimizer)
-    graph = api.capture(*workload[1:], name=workload[0])
+    graph = api.capture(*workload[1:], name=workload[0], autocast=autocast)
     strategy = loaded or api.plan(graph, cl, a.planner, budget_s=a.budget)
     measured = measured_costs(workload, graph, strategy, a.cost_file) if a.costs == "measured" else None
     tl = api.simulate(graph, strategy, cl, measured)
@@ -326,6 +344,7 @@ def cmd_run(a: argparse.Namespace) -> None:
             get_planner(p)
     check_models([a.model])
     check_clip(a.clip_grad_norm)  # before torchrun starts the ranks
+    autocast = precision_for(a)
     fault_spec(os.environ.get("FASTT_FAULT", ""))
     warn_oversubscribed(a.devices)
     if a.data and not (is_file_spec(a.data) and Path(a.data.rsplit(":", 1)[0]).is_file()):
@@ -347,7 +366,8 @@ def cmd_run(a: argparse.Namespace) -> None:
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels
     # (oneDNN, cuDNN off).
     with fused_kernels(not rnn):
-        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial)
+        out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial,
+                           autocast)
     print(json.dumps(out) if a.json else format_run(out))
 
 
@@ -443,6 +463,7 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
     p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"),
                    help="default sgd (a file model's function gets it as its `optimizer`)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    precision_option(p)
     p.add_argument("--budget", type=positive_float, default=None, metavar="SECONDS",
                    help="bound the fastt planner's search; it returns the best plan found so far")
 

@@ -28,7 +28,8 @@ from fastt.errors import FasttError
 
 @dataclass(frozen=True)
 class Device:
-    """One compute device. `flops` is peak FP32 FLOP/s, `mem_bandwidth` bytes/s of its memory."""
+    """One compute device. `flops` is peak FP32 FLOP/s, `mem_bandwidth` bytes/s of its memory; the tensor
+    cores' dense peaks for matmuls and convolutions in FP16, BF16 and TF32 (0: none, see `peak`)."""
 
     name: str
     kind: str
@@ -37,6 +38,19 @@ class Device:
     mem_bandwidth: float
     node: int = 0
     op_overhead_s: float = 0.0  # fixed cost of launching one op (kernel launch, dispatch)
+    fp16_flops: float = 0.0
+    bf16_flops: float = 0.0
+    tf32_flops: float = 0.0
+
+    def peak(self, dtype: str, conv: bool) -> float:
+        """Peak FLOP/s of a matmul or convolution (`conv`) computed in `dtype` ("float32", "bfloat16", ...).
+
+        Half precision runs on the tensor cores where the device has them, else at the FP32 peak (a CPU).
+        FP32 runs on TF32 tensor cores only for convolutions: PyTorch's default `cudnn.allow_tf32` is True,
+        `cuda.matmul.allow_tf32` False."""
+        tensor = {"float16": self.fp16_flops, "bfloat16": self.bf16_flops,
+                  "float32": self.tf32_flops if conv else 0.0}.get(dtype, 0.0)
+        return tensor or self.flops
 
 
 @dataclass(frozen=True)
@@ -261,6 +275,9 @@ class GpuPreset:
 
     name: str
     flops: float  # peak FP32 FLOP/s without tensor cores (PyTorch leaves TF32 matmul off by default)
+    fp16_flops: float  # dense tensor-core peaks (data sheets quote twice these "with sparsity")
+    bf16_flops: float  # 0: no BF16 tensor cores
+    tf32_flops: float  # 0: no TF32 tensor cores
     mem_bandwidth: float  # HBM bytes/s
     memory_bytes: int
     nvlink: float  # per-direction NVLink bytes/s: per GPU pair (no switch) or per GPU (NVSwitch)
@@ -273,19 +290,23 @@ GiB = 2**30
 # NVIDIA Tesla V100 GPU Accelerator data sheet (2018), SXM2: 15.7 TFLOP/s FP32, 900 GB/s HBM2, 16/32 GB.
 # NVLink2 as in "NVIDIA DGX-1 With Tesla V100 System Architecture" white paper (2017): 25 GB/s per direction
 # per link; the hybrid cube-mesh is approximated as one dedicated link per GPU pair. PCIe Gen3 x16 15.75 GB/s
-# raw, ~12 GB/s usable. NIC: 100 Gb/s EDR InfiniBand (DGX-1).
-_V100 = GpuPreset("V100", 15.7e12, 900e9, 16 * GiB, 25e9, False, 12e9, 12.5e9)
+# raw, ~12 GB/s usable. NIC: 100 Gb/s EDR InfiniBand (DGX-1). Tensor cores: 125 TFLOP/s FP16 (mixed precision,
+# FP32 accumulate), no BF16 or TF32 (Volta).
+_V100 = GpuPreset("V100", 15.7e12, 125e12, 0.0, 0.0, 900e9, 16 * GiB, 25e9, False, 12e9, 12.5e9)
 # NVIDIA A100 Tensor Core GPU data sheet (2021), SXM: 19.5 TFLOP/s FP32, 40GB HBM2 1,555 GB/s,
 # 80GB HBM2e 2,039 GB/s, NVLink3 600 GB/s (300 per direction) via NVSwitch, PCIe Gen4 x16 31.5 GB/s raw
-# (~24 usable). NIC: 200 Gb/s HDR InfiniBand (DGX A100).
-_A100 = GpuPreset("A100", 19.5e12, 1555e9, 40 * GiB, 300e9, True, 24e9, 25e9)
+# (~24 usable). NIC: 200 Gb/s HDR InfiniBand (DGX A100). Tensor cores (dense): 312 TFLOP/s FP16 and BF16,
+# 156 TF32.
+_A100 = GpuPreset("A100", 19.5e12, 312e12, 312e12, 156e12, 1555e9, 40 * GiB, 300e9, True, 24e9, 25e9)
 # NVIDIA H100 Tensor Core GPU data sheet (2023), SXM: 67 TFLOP/s FP32, 80GB HBM3 3.35 TB/s, NVLink4 900 GB/s
 # (450 per direction) via NVSwitch, PCIe Gen5 x16 63 GB/s raw (~50 usable).
-# NIC: 400 Gb/s NDR InfiniBand (DGX H100).
-_H100 = GpuPreset("H100", 67e12, 3.35e12, 80 * GiB, 450e9, True, 50e9, 50e9)
+# NIC: 400 Gb/s NDR InfiniBand (DGX H100). Tensor cores: 1,979 TFLOP/s FP16 and BF16, 989 TF32, both "with
+# sparsity": half that dense.
+_H100 = GpuPreset("H100", 67e12, 989.5e12, 989.5e12, 494.5e12, 3.35e12, 80 * GiB, 450e9, True, 50e9, 50e9)
 # NVIDIA H200 Tensor Core GPU data sheet (2024), SXM: the H100's compute (67 TFLOP/s FP32) with 141 GB HBM3e
-# at 4.8 TB/s; NVLink4 900 GB/s via NVSwitch, PCIe Gen5, 400 Gb/s NDR InfiniBand as the H100.
-_H200 = GpuPreset("H200", 67e12, 4.8e12, 141 * 10**9, 450e9, True, 50e9, 50e9)
+# at 4.8 TB/s; NVLink4 900 GB/s via NVSwitch, PCIe Gen5, 400 Gb/s NDR InfiniBand and tensor cores as the
+# H100.
+_H200 = replace(_H100, name="H200", mem_bandwidth=4.8e12, memory_bytes=141 * 10**9)
 GPU_PRESETS: dict[str, GpuPreset] = {
     "v100": _V100, "v100-16gb": _V100,
     "v100-32gb": replace(_V100, name="V100-32GB", memory_bytes=32 * GiB),
@@ -296,12 +317,18 @@ GPU_PRESETS: dict[str, GpuPreset] = {
 }
 # Unknown GPUs (cuda specs only): a conservative guess, below every preset;
 # fastt.cost measures real ops anyway.
-_UNKNOWN_GPU = GpuPreset("GPU", 10e12, 500e9, 8 * GiB, 25e9, False, 12e9, 12.5e9)
+# Its half precision at the FP32 guess: fastt measures a real GPU, and refuses no precision it may have.
+_UNKNOWN_GPU = GpuPreset("GPU", 10e12, 10e12, 10e12, 0.0, 500e9, 8 * GiB, 25e9, False, 12e9, 12.5e9)
 NVLINK_LATENCY = 5e-6  # per route; split over the two hops of an NVSwitch route
 PCIE_LATENCY = 1e-5  # per route; split over the up- and down-link
 NIC_LATENCY = 3e-6  # per inter-node route; split over the sending and receiving NIC
 GPU_OP_OVERHEAD = 5e-6  # kernel launch
 STREAM_LATENCY = 5e-6  # one CUDA stream waiting for another's event
+
+
+def _tensor_peaks(p: GpuPreset) -> tuple[float, float, float]:
+    """A preset's tensor-core peaks in Device's order (fp16, bf16, tf32)."""
+    return p.fp16_flops, p.bf16_flops, p.tf32_flops
 
 
 def _node_links(p: GpuPreset, gpus: Sequence[int], link: str, tag: str, links: list[Link],
@@ -340,7 +367,8 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: flo
     check_count(nodes, "node", n * nodes)
     multi = nodes > 1
     devices = tuple(Device(f"{p.name}:{k}.{i}" if multi else f"{p.name}:{i}", p.name, p.memory_bytes, p.flops,
-                           p.mem_bandwidth, k, GPU_OP_OVERHEAD) for k in range(nodes) for i in range(n))
+                           p.mem_bandwidth, k, GPU_OP_OVERHEAD, *_tensor_peaks(p))
+                    for k in range(nodes) for i in range(n))
     links: list[Link] = []
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
     for k in range(nodes):
@@ -399,7 +427,8 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
     presets = {i: preset_for(props[i].name, props[i].total_memory) or _UNKNOWN_GPU for i in gpus}
     names = [f"cuda:{i}" + (f"/{ids[:k].count(i)}" if ids[:k].count(i) else "") for k, i in enumerate(ids)]
     devices = tuple(Device(name, "cuda", int(props[i].total_memory) // ids.count(i), presets[i].flops,
-                           presets[i].mem_bandwidth, 0, GPU_OP_OVERHEAD) for name, i in zip(names, ids))
+                           presets[i].mem_bandwidth, 0, GPU_OP_OVERHEAD, *_tensor_peaks(presets[i]))
+                    for name, i in zip(names, ids))
     peer = all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(gpus, 2))
     slowest = min(presets.values(), key=lambda p: (p.nvlink, p.pcie))
     links: list[Link] = []

@@ -86,6 +86,15 @@ def _flops(node: Node) -> float:
     return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def _compute_dtype(node: Node) -> str:
+    """The dtype a node computes in: its first floating-point tensor argument's ("float32", "bfloat16")."""
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return str(v.dtype).removeprefix("torch.")
+    return ""
+
+
 def _shape_key(node: Node) -> str:
     def desc(v: object) -> str:
         if isinstance(v, torch.Tensor):
@@ -196,7 +205,7 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
     for gname, nodes in _topo_groups(members, group):
         k = kind[gname]
         reads: dict[str, dict[Node, int]] = {}
-        flops, io, shapes = 0.0, 0, []
+        flops, io, shapes, heaviest = 0.0, 0, [], (0.0, "")
         out_bytes = 0
         for n in nodes:
             for a in _arg_nodes(n):
@@ -205,7 +214,9 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
             if n.op == "placeholder" or n.target not in ALIAS and n.target is not aten.copy_.default:
                 out_bytes += nbytes(n.meta.get("val"))
             if n.op == "call_function" and n.target not in ALIAS:
-                flops += _flops(n)
+                f = _flops(n)
+                flops += f
+                heaviest = max(heaviest, (f, _compute_dtype(n)))
                 io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
                 shapes.append(_shape_key(n))
         temp = 0
@@ -228,7 +239,7 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                       in_bytes=tuple(sum(r.values()) for r in reads.values()), out_bytes=out_bytes,
                       flops=flops, io_bytes=io, nodes=tuple(n.name for n in nodes), updates=updated,
                       batch=batch, signature=sig, head=head.name if head.op == "call_function" else "",
-                      arg_inputs=arg_inputs, temp_bytes=temp))
+                      arg_inputs=arg_inputs, temp_bytes=temp, dtype=heaviest[1] if heaviest[0] else ""))
     return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
                    fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
 
@@ -236,22 +247,23 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
 
 def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                   example_inputs: Sequence[torch.Tensor], name: str = "step",
-                  clip_grad_norm: float | None = None) -> OpGraph:
+                  clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> OpGraph:
     """One whole training step (forward, backward, optimizer update) as an OpGraph.
 
     Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example
     input is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
     `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
+    `autocast`: the forward runs under `torch.autocast` in this dtype (`capture.capture_step`).
     """
     example_inputs = tuple(example_inputs)
 
     @functools.lru_cache(maxsize=8)
     def recapture(batch: int) -> OpGraph:
         sliced = tuple(x[:batch] for x in example_inputs)
-        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced, clip_grad_norm), name)
+        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced, clip_grad_norm, autocast), name)
         return dataclasses.replace(g, recapture=recapture)
 
-    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs, clip_grad_norm), name)
+    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs, clip_grad_norm, autocast), name)
     return dataclasses.replace(g, recapture=recapture)
 
 def _topo_groups(members: dict[str, list[Node]], group: dict[Node, str]) -> list[tuple[str, list[Node]]]:

@@ -28,10 +28,30 @@ from .graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph, rebatch
 
 
 def roofline_time(op: Op, dev: Device) -> float:
-    """Seconds for op on dev: launch overhead + the slower of its compute and its memory traffic at peak."""
+    """Seconds for op on dev: launch overhead + the slower of its compute (at the peak of its dtype,
+    `Device.peak`) and its memory traffic at peak."""
     if op.kind in RESIDENT or op.kind in (INPUT, ALLREDUCE):
         return 0.0
-    return dev.op_overhead_s + max(op.flops / dev.flops, op.io_bytes / dev.mem_bandwidth)
+    return dev.op_overhead_s + max(op.flops / dev.peak(op.dtype, _conv(op)), op.io_bytes / dev.mem_bandwidth)
+
+
+def _conv(op: Op) -> bool:
+    """Whether an op is a convolution (forward or backward), which cuDNN runs in TF32 by default."""
+    return "convolution" in op.target
+
+
+def check_precision(graph: OpGraph, cluster: Cluster) -> None:
+    """Refuse a step that computes in bfloat16 on a GPU without BF16 tensor cores (the V100)."""
+    if any(op.dtype == "bfloat16" for op in graph.ops):
+        check_bf16(cluster)
+
+
+def check_bf16(cluster: Cluster) -> None:
+    """Refuse bfloat16 on a cluster with a GPU that has no BF16 tensor cores, naming what it has."""
+    lacking = sorted({d.kind for d in cluster.devices if d.kind != "cpu" and not d.bf16_flops})
+    if lacking:
+        raise FasttError(f"{', '.join(lacking)} has no bf16 tensor cores: train in fp16 (--precision fp16, "
+                         "autocast=torch.float16) on it")
 
 
 @dataclass(frozen=True)
@@ -63,10 +83,14 @@ def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
     to the roofline estimate for that device.
     """
     free = np.array([op.kind in RESIDENT or op.kind in (INPUT, ALLREDUCE) for op in graph.ops])
+    check_precision(graph, cluster)
     flops = np.array([op.flops for op in graph.ops], dtype=float)[:, None]
     io = np.array([op.io_bytes for op in graph.ops], dtype=float)[:, None]
     devs = cluster.devices
-    peak = np.array([d.flops for d in devs])[None, :]
+    # One peak per (dtype, convolution or not) and device: a few distinct rows, not one per op.
+    kinds = sorted({(op.dtype, _conv(op)) for op in graph.ops})
+    rows = np.array([[d.peak(dt, conv) for d in devs] for dt, conv in kinds])
+    peak = rows[[kinds.index((op.dtype, _conv(op))) for op in graph.ops]]
     bw = np.array([d.mem_bandwidth for d in devs])[None, :]
     overhead = np.array([d.op_overhead_s for d in devs])[None, :]
     t = overhead + np.maximum(flops / peak, io / bw)

@@ -29,7 +29,8 @@ class Op:
     transfer size). `out_bytes` is what the op allocates for its results. An optimizer update (`updates` lists
     the residents it writes, by index) makes the new parameter and state as fresh tensors: they count in its
     `out_bytes` and live to the end of the step, beside the old ones.
-    `batch` is True when the op's work depends on the input batch (data parallelism divides it).
+    `batch` is True when the op's work depends on the input batch (data parallelism divides it). `dtype`: what
+    its FLOPs are computed in (its matmul's or convolution's inputs: "bfloat16" under autocast), "" for none.
     """
 
     name: str
@@ -48,6 +49,7 @@ class Op:
     arg_inputs: tuple[int, ...] = ()  # per positional arg of `head`: its position in `inputs`, or -1
     split: tuple[str, int, int] | tuple[()] = ()  # (dim name, part index, parts) for a part of a split op
     temp_bytes: int = 0  # what it allocates beyond its results while it runs (an update's temporaries)
+    dtype: str = ""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import FasttError
+from .precision import NAMES, dtype_of
 from .strategy import Strategy
 
 
@@ -146,7 +147,8 @@ def train(args: argparse.Namespace) -> dict | None:
             _, model, loss_fn, opt, inputs = make()
             results.append({
                 "planner": "eager",
-                "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs, args.steps, clip),
+                "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs, args.steps, clip,
+                                                    dtype_of(args.precision)),
                 "simulated_iteration_s": None, "error": None,
             })
             continue
@@ -161,7 +163,8 @@ def train(args: argparse.Namespace) -> dict | None:
                       for lk in cl.links},
             "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
             "steps": args.steps, "results": results,
-            "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip}
+            "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip,
+            "precision": args.precision}
 
 
 def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tuple],
@@ -172,13 +175,14 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
     from .runtime.trial import TRIAL_STEPS
 
-    rank, clip = dist.get_rank(), args.clip_grad_norm
+    rank, clip, autocast = dist.get_rank(), args.clip_grad_norm, dtype_of(args.precision)
     _, model, loss_fn, opt, inputs = make()
     strategy = Strategy.load(args.strategy) if args.strategy else None
     t0 = time.perf_counter()
     step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
                                    timeout_s=args.timeout, trial_steps=TRIAL_STEPS if args.trial else 0,
-                                   tune=args.tune and planner == "fastt", clip_grad_norm=clip)
+                                   tune=args.tune and planner == "fastt", clip_grad_norm=clip,
+                                   autocast=autocast)
     setup_s = time.perf_counter() - t0
     if args.save_plans and rank == 0:
         os.makedirs(args.save_plans, exist_ok=True)
@@ -190,7 +194,7 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
         replicas = step.strategy.replicas
         if ref is not None:  # the reference takes this step from our state
             take_state(model, opt, ref[1], ref[3])
-            eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip)
+            eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
         dist.barrier()
         t0 = time.perf_counter()
         _fault(rank, i)  # the others are in the step, waiting for this rank
@@ -211,7 +215,8 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     return row
 
 
-def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None) -> float:
+def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None,
+                autocast: torch.dtype | None) -> float:
     """Rank 0's median eager step time (after the first); the other ranks wait."""
     from .runtime.distributed import alone_on_rank0
     from .runtime.reference import batch_like, eager_step
@@ -221,7 +226,7 @@ def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float |
         times = []
         for i in range(steps):
             b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
-            times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm))
+            times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
         return statistics.median(times[1:] or times)
 
     time_s = alone_on_rank0(run)
@@ -251,8 +256,16 @@ def positive_float(text: str) -> float:
     return x
 
 
+def precision_option(p: argparse.ArgumentParser) -> None:
+    """`--precision`: the forward under `torch.autocast` in bf16 or fp16, or fp32 (no autocast)."""
+    p.add_argument("--precision", default="fp32", choices=tuple(NAMES),
+                   help="mixed precision: the forward and loss under torch.autocast in bf16 or fp16; master "
+                        "weights, gradients and optimizer state stay fp32 (default fp32: no autocast)")
+
+
 def training_options(p: argparse.ArgumentParser) -> None:
     """The options of a training run that `fastt run` shares."""
+    precision_option(p)
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip the gradients' global norm to X every step (torch.nn.utils.clip_grad_norm_)")
     p.add_argument("--no-trial", dest="trial", action="store_false",

@@ -80,6 +80,7 @@ def _torchrun_command(a: argparse.Namespace, planners: Sequence[str], nproc: int
             *(["--check"] if a.check else []), *(["--tune"] if a.tune else []),
             *([] if a.trial else ["--no-trial"]),
             *(["--clip-grad-norm", str(a.clip_grad_norm)] if a.clip_grad_norm is not None else []),
+            "--precision", a.precision,
             *(["--data", a.data] if a.data else [])]
 
 

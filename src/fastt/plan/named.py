@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cluster import Cluster
-from ..cost import MeasuredCosts
+from ..cost import MeasuredCosts, check_precision
 from ..graph import OpGraph
 from ..strategy import Strategy
 from . import get_planner
@@ -20,8 +20,9 @@ def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | 
 
     `budget_s` bounds the `fastt` and `os-dpos` planners' split search (they return the best plan found so
     far; 0 searches no splits); `measured` gives them measured op times (the other planners plan with the cost
-    model's estimates).
+    model's estimates). A step in bf16 is refused on a GPU without BF16 tensor cores.
     """
+    check_precision(graph, cl)
     if planner in ("fastt", "os-dpos") and (budget_s is not None or measured is not None):
         budget = DEFAULT_BUDGET_S if budget_s is None else budget_s
         if planner == "fastt":

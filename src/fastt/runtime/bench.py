@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..cluster import cluster, torch_device
+from ..precision import name_of
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
 from .step import parallelize
 from .trial import timed
@@ -27,7 +28,7 @@ def _placed(make: Callable[[], Workload], home: str) -> Workload:
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
                  check: bool, tune: bool = False, clip_grad_norm: float | None = None,
-                 trial: bool = True) -> dict:
+                 trial: bool = True, autocast: torch.dtype | None = None) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
@@ -37,7 +38,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     with the worker devices' thread count, and the largest relative difference of any parameter after a step
     is reported. On GPUs the model lives on the first device, and `eager` is plain PyTorch there.
     `clip_grad_norm`: every step clips the gradients' global norm (`torch.nn.utils.clip_grad_norm_`), eager's
-    too.
+    too. `autocast`: every step's forward runs under `torch.autocast` in that dtype, eager's too.
     """
     home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
@@ -45,14 +46,14 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         name, model, loss_fn, opt, inputs = _placed(make, home)
         batches = [tuple(x.to(home) for x in batch_like(inputs, i)) for i in range(steps)]
         if planner == "eager":
-            times = [timed(eager_step, model, loss_fn, opt, b, clip_grad_norm) for b in batches]
+            times = [timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast) for b in batches]
             results.append({"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
                             "simulated_iteration_s": None, "error": None})
             continue
         tuner = Tuner() if tune and planner == "fastt" else None
         t0 = time.perf_counter()
         step = parallelize(model, loss_fn, opt, inputs, devices, planner, tune=tuner or False,
-                           clip_grad_norm=clip_grad_norm, trial=trial)
+                           clip_grad_norm=clip_grad_norm, trial=trial, autocast=autocast)
         setup_s = time.perf_counter() - t0
         ref = _placed(make, home) if check else None
         times, tuned = [], 0
@@ -63,7 +64,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
             times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
             if ref is not None:
-                diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm)
+                diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm,
+                                  autocast)
                 worst = max(worst, diff)
         after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
@@ -74,11 +76,13 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                         "trial": step.trial._asdict() if step.trial else None,
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
     return {"model": name, "devices": devices, "steps": steps, "results": results,
-            "max_param_rel_diff": worst if check else None, "clip_grad_norm": clip_grad_norm}
+            "max_param_rel_diff": worst if check else None, "clip_grad_norm": clip_grad_norm,
+            "precision": name_of(autocast)}
 
 
 def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,
-               trained: torch.nn.Module, clip_grad_norm: float | None = None) -> float:
+               trained: torch.nn.Module, clip_grad_norm: float | None = None,
+               autocast: torch.dtype | None = None) -> float:
     """The plain one-device eager step of `ref` (which took the state `trained` started this step from) on
     `batch`, with `threads` threads (the worker devices' kernels); the largest relative difference from
     `trained` after its step. Batch statistics are per replica under data parallelism
@@ -87,7 +91,7 @@ def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, thre
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        eager_reference_step(model, loss_fn, opt, batch, replicas, clip_grad_norm)
+        eager_reference_step(model, loss_fn, opt, batch, replicas, clip_grad_norm, autocast)
     finally:
         torch.set_num_threads(old)
     return max_param_rel_diff(model, trained)

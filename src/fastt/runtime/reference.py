@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..precision import autocast as autocast_in
+
 
 def batch_like(inputs: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor, ...]:
     """Another batch shaped like `inputs`: float inputs redrawn, integer ones (tokens, labels) permuted along
@@ -17,10 +19,13 @@ def batch_like(inputs: Sequence[torch.Tensor], seed: int) -> tuple[torch.Tensor,
 
 
 def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-               batch: Sequence[torch.Tensor], clip_grad_norm: float | None = None) -> torch.Tensor:
-    """One ordinary training step: zero_grad, forward, backward, (clip_grad_norm_,) optimizer.step."""
+               batch: Sequence[torch.Tensor], clip_grad_norm: float | None = None,
+               autocast: torch.dtype | None = None) -> torch.Tensor:
+    """One ordinary training step: zero_grad, forward (under `torch.autocast` in `autocast`, if given),
+    backward, (clip_grad_norm_,) optimizer.step."""
     optimizer.zero_grad()
-    loss = loss_fn(model(*batch[:-1]), batch[-1])
+    with autocast_in(autocast, batch):
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
     loss.backward()
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
@@ -30,7 +35,7 @@ def eager_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim
 
 def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                   batch: Sequence[torch.Tensor], replicas: int,
-                  clip_grad_norm: float | None = None) -> torch.Tensor:
+                  clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> torch.Tensor:
     """Data parallelism emulated in eager mode, as DDP computes it: each replica's share of the batch on its
     own copy of the buffers (per-device batch-norm statistics), gradients averaged in replica order, replica
     0's buffers kept; returns the mean of the replicas' losses. The reference only for batch statistics: it
@@ -45,7 +50,8 @@ def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
                 buffers[n].copy_(v)
         optimizer.zero_grad()
         share = [x[k * b:(k + 1) * b] for x in batch]
-        loss = loss_fn(model(*share[:-1]), share[-1])
+        with autocast_in(autocast, share):
+            loss = loss_fn(model(*share[:-1]), share[-1])
         loss.backward()
         losses.append(loss.detach())
         grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
@@ -75,13 +81,14 @@ def batch_statistics(model: torch.nn.Module) -> bool:
 
 def eager_reference_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                          batch: Sequence[torch.Tensor], replicas: int,
-                         clip_grad_norm: float | None = None) -> torch.Tensor:
+                         clip_grad_norm: float | None = None,
+                         autocast: torch.dtype | None = None) -> torch.Tensor:
     """What a plan with `replicas` replicas must compute: the plain one-device eager step (whatever the loss's
     reduction), except for a model with batch statistics, whose replicas normalise their own shares
     (`eager_dp_step`)."""
     if replicas > 1 and batch_statistics(model):
-        return eager_dp_step(model, loss_fn, optimizer, batch, replicas, clip_grad_norm)
-    return eager_step(model, loss_fn, optimizer, batch, clip_grad_norm)
+        return eager_dp_step(model, loss_fn, optimizer, batch, replicas, clip_grad_norm, autocast)
+    return eager_step(model, loss_fn, optimizer, batch, clip_grad_norm, autocast)
 
 
 def take_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ref_model: torch.nn.Module,

@@ -108,7 +108,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
                 clip_grad_norm: float | None = None, accumulate: int = 1,
-                trial: bool | int = True) -> ParallelStep:
+                trial: bool | int = True, autocast: torch.dtype | None = None) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and
     return the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`;
     `cuda:0,0` runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its
@@ -126,7 +126,9 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`. `accumulate=k` takes each
     step's batch as k micro-batches per device, one after the other, and updates once with the whole batch's
     gradient (gradient accumulation: a device holds one micro-batch's activations): the plan is data
-    parallelism over the micro-batches (`plan.basic.data_parallel`).
+    parallelism over the micro-batches (`plan.basic.data_parallel`). `autocast` (torch.bfloat16 or
+    torch.float16) runs the forward under `torch.autocast` on the model's device, as an eager loop's `with
+    torch.autocast(...)` around the forward and the loss does (`fastt.precision`).
     """
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise FasttError("accumulate must be a whole number of micro-batches a step (1 or more), got "
@@ -143,7 +145,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     cuda = cl.devices[0].kind == "cuda"
     threads = torch.get_num_threads() if cuda else max(1, torch.get_num_threads() // n)
     graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
-                          clip_grad_norm=clip_grad_norm)
+                          clip_grad_norm=clip_grad_norm, autocast=autocast)
     tuner = tuner_of(tune)
     if accumulate > 1:
         strategy = data_parallel(graph, cl, accumulate)

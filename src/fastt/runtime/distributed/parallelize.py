@@ -31,7 +31,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                             strategy: Strategy | None = None, cl: Cluster | None = None,
                             timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = TRIAL_STEPS,
                             tune: bool | Tuner = False,
-                            clip_grad_norm: float | None = None) -> DistributedStep:
+                            clip_grad_norm: float | None = None,
+                            autocast: torch.dtype | None = None) -> DistributedStep:
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
     current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
     inputs. Every rank captures the step and measures its op times (at once, so they include what the ranks
@@ -43,7 +44,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     trial; `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a
     configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
     first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and
-    logs."""
+    logs. `autocast`: the forward runs under `torch.autocast` in that dtype, as `parallelize`'s."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     home = {t.device for t in [*model.parameters(), *example_inputs]}
@@ -52,7 +53,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                          f"not on this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
     graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
-                          clip_grad_norm=clip_grad_norm)
+                          clip_grad_norm=clip_grad_norm, autocast=autocast)
     threads = torch.get_num_threads()
     tuner = tuner_of(tune)
     chosen = decide(graph, cl, n_devices=world, planner=planner, strategy=strategy, tuner=tuner,
