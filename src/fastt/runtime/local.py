@@ -70,14 +70,15 @@ class _Run:
         # What is still to read each value; at none it leaves the table (on CPU: on CUDA another stream may
         # still be reading it, so every value lives until the step has synchronized).
         self.left = None if self.cuda else dict(programs.readers)
-        # (replica, value, device) -> segments on the device still to read it, for the meter
-        self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices) for seg in segs
-                             for name in seg.reads)
         self.carriers = Counter(name for names in low.allreduces.values() for name in names)
-        device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
-        # gradient -> the devices its allreduce's readers run on
-        self.group = {name: sorted({device_of[s] for s in low.graph.succs[a] if s in device_of})
-                      for a, names in low.allreduces.items() for name in names}
+        if meter is not None:  # only a measured step pays for these
+            # (replica, value, device) -> segments on the device still to read it
+            self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
+                                 for seg in segs for name in seg.reads)
+            device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
+            # gradient -> the devices its allreduce's readers run on
+            self.group = {name: sorted({device_of[s] for s in low.graph.succs[a] if s in device_of})
+                          for a, names in low.allreduces.items() for name in names}
 
     def release(self, k: int, read: Sequence[str], written: Sequence[str] = (), d: int = -1) -> None:
         """Replica k's segment on device d has read `read` and written `written`: drop the values nothing
