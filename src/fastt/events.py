@@ -16,7 +16,7 @@ from typing import NamedTuple
 from fastt.cluster import Cluster
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, RESIDENT, OpGraph
-from fastt.links import Collective, Links, Routes, Transfer, allreduce_bytes, route_tables
+from fastt.links import Collective, Links, Routes, Transfer, allreduce_bytes, half, route_tables
 from fastt.strategy import Strategy
 
 # Kinds of event, in the order they are handled at equal times (the heap orders (time, kind, op, ...)).
@@ -286,7 +286,8 @@ class _Loop:
     def allreduce(self, grp: tuple[int, ...], t: float) -> None:
         """Run the allreduces of `grp` that became ready at t as one."""
         ops = self.pending.pop(grp)
-        s, e = self.links.collective(ops, grp, sum(allreduce_bytes(self.ops[a]) for a in ops), t)
+        s, e = self.links.collective(ops, grp, sum(allreduce_bytes(self.ops[a]) for a in ops), t,
+                                     halves=all(half(self.ops[a]) for a in ops))
         for a in ops:
             self.start[a], self.end[a], self.crit[a] = s, e, self.why[a]
             heapq.heappush(self.heap, (e, _END, a, -1, None))

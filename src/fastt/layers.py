@@ -195,13 +195,19 @@ def _name(graph: OpGraph, params: Sequence[int]) -> str:
 
 
 def where(graph: OpGraph, holders: Mapping[str, Sequence[int]],
-          nodes: Sequence[int]) -> list[tuple[str, str]]:
+          nodes: Sequence[int], sharded: Sequence[str] = ()) -> list[tuple[str, str]]:
     """A plan in its own words: runs of consecutive layers held alike, as (`features.0 … features.28 (16
-    layers)`, `every device`), from the plan's parameter holders and each device's node."""
+    layers)`, `every device`), from the plan's parameter holders and each device's node; `sharded` (the plan's
+    sharded updates) adds "updates sharded" to a layer all of whose updates are."""
     found = layers(graph)
     n = len(nodes)
+    rows = set(sharded)
 
     def devices(layer: Layer) -> str:
+        ups = {graph.ops[p].name.replace("param:", "update:", 1) for p in layer.params}
+        return placed(layer) + (", updates sharded" if ups and ups <= rows else "")
+
+    def placed(layer: Layer) -> str:
         held = sorted({d for p in layer.params for d in holders.get(graph.ops[p].name, ())})
         if len(held) == n:
             return "every device"

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from fastt.cluster import Cluster
 from fastt.errors import FasttError
 from fastt.graph import Op
+from fastt.shard import ALL_GATHER, REDUCE_SCATTER
 
 
 class Transfer(NamedTuple):
@@ -68,8 +69,19 @@ def route_tables(cluster: Cluster) -> Routes:
     return Routes(routes, lat, bw)
 
 
+def half(op: Op) -> bool:
+    """Whether a collective op is half a ring allreduce (a reduce-scatter or an all-gather)."""
+    return op.target in (REDUCE_SCATTER, ALL_GATHER)
+
+
 def allreduce_bytes(op: Op) -> int:
-    """Bytes an allreduce aggregates: its output, or the largest input if the output is written in place."""
+    """Bytes an allreduce aggregates: its output, or the largest input if the output is written in place. A
+    reduce-scatter or an all-gather (`fastt.shard`) is half a ring allreduce: it counts as an allreduce of
+    half the whole tensor's bytes (and half its latency: `Links.collective`)."""
+    if op.target == REDUCE_SCATTER:
+        return max(op.in_bytes, default=0) // 2
+    if op.target == ALL_GATHER:
+        return op.out_bytes // 2
     return max(op.out_bytes, *op.in_bytes, 0)
 
 
@@ -98,12 +110,13 @@ class Links:
         return e
 
     def collective(self, ops: list[int], group: tuple[int, ...], nbytes: int,
-                   t: float) -> tuple[float, float]:
+                   t: float, halves: bool = False) -> tuple[float, float]:
         """Run the allreduces `ops` over `group` as one, `nbytes` in all, from t or once their links are free:
-        returns (start, end)."""
+        returns (start, end). `halves`: they are all reduce-scatters or all-gathers, whose ring takes n-1
+        steps, not an allreduce's 2(n-1), so half the latency."""
         links, latency, per_byte, per_tensor = self.costs[group]
         s = max([t, *(self.free[lk] for lk in links)])
-        e = s + latency + nbytes * per_byte + len(ops) * per_tensor
+        e = s + latency / (2 if halves else 1) + nbytes * per_byte + len(ops) * per_tensor
         for lk in links:
             self.free[lk] = e
         self.collectives.append(Collective(tuple(ops), group, nbytes, s, e, links))

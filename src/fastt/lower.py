@@ -2,7 +2,8 @@
 
 A task runs the fx nodes of one placed op for one replica: all of the op's aten calls, or one part of a split
 op (`split.run_part` on the head node), or the join of a split op's parts followed by the alias nodes that
-read it. Allreduces are not placed: the runtime runs each once, for the first task that needs it. Resident
+read it, or one replica's rows of a sharded update (`fastt.shard`: its nodes on those rows). Allreduces are
+not placed: the runtime runs each once, for the first task that needs it. Resident
 tensors and inputs are placeholders of the captured step, bound before the step runs; its constants (get_attr
 nodes) are read into every replica's table before the step, as every device has them.
 """
@@ -13,12 +14,13 @@ from dataclasses import dataclass
 
 from .capture import Step
 from .errors import FasttError
-from .graph import ALLREDUCE, INPUT, RESIDENT, OpGraph, loss_weights, replica_of
+from .graph import ALLREDUCE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph, loss_weights, replica_of
 from .loss import ONE, ReplicaWeights
+from .shard import ALL_GATHER
 from .split import graph_for
 from .strategy import Strategy
 
-RUN, PART, JOIN = "run", "part", "join"
+RUN, PART, JOIN, SHARD = "run", "part", "join", "shard"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
     waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT
                   and g.ops[j].kind != INPUT)
     r = replica_of(op.name)
+    if op.kind == UPDATE and op.split:  # replica r's rows of a sharded update; `head`: the parameter's node
+        param = next(g.ops[u] for u in op.updates if g.ops[u].kind == PARAM)
+        return Task(i, op.name, SHARD, r, tuple(n for n in op.nodes if n in call_nodes), head=param.nodes[0],
+                    part=op.split, waits=waits)
     if op.split:
         return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits)
     if op.target.startswith("join:"):
@@ -88,7 +94,9 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     call_nodes = {name for name, n in nodes.items() if n.op == "call_function"}
     programs = tuple(tuple(_task(g, g.index[name], call_nodes) for name in order
                            if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
-    allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops) if op.kind == ALLREDUCE}
+    # A sharded update's all-gather is read by no op of the step: the runtime joins the rows at its end.
+    allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops)
+                  if op.kind == ALLREDUCE and op.target != ALL_GATHER}
     constants = [name for name, n in nodes.items() if n.op == "get_attr"]
     prelude = tuple(dict.fromkeys([*constants, *(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT
                                                  for n in op.nodes if n in call_nodes)]))

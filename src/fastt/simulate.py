@@ -43,6 +43,7 @@ from fastt.errors import FasttError
 from fastt.events import EventPlan, prepare, run_events
 from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths
 from fastt.links import Collective, Transfer
+from fastt.shard import ALL_GATHER, sharded_residents
 from fastt.split import graph_for, splittable
 from fastt.strategy import Strategy
 
@@ -148,9 +149,16 @@ def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, l
     start_a, end_a = np.array(start), np.array(end)
     dev = np.array(plan.dev, dtype=np.int64)
     base = [0] * nd
+    rows = sharded_residents(g)
     for r, hs in plan.holders.items():
         for h in hs:
             base[h] += g.ops[r].out_bytes
+    for r, parts in rows.items():  # a sharded update's state: each part's device holds its rows only
+        for h in plan.holders[r]:
+            base[h] -= g.ops[r].out_bytes
+        for i in g.succs[r]:
+            if g.ops[i].split and g.ops[i].kind == UPDATE:
+                base[plan.dev[i]] += -(-g.ops[r].out_bytes // parts)
     peak, trace = _memory(g, plan, start_a, end_a, transfers, collectives, base)
     limit = tuple(dv.memory_bytes for dv in cluster.devices)
     oom = tuple(f"device {d} ({cluster.devices[d].name}) needs {human_bytes(peak[d])}, "
@@ -215,6 +223,9 @@ def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transf
     copies = np.concatenate([placed * nd + dev[placed], ar_op * nd + ar_dev, t_op * nd + t_dst])
     t_free = np.maximum(np.concatenate([end[placed], end[ar_op], t_end]), last_read(copies))
     t_free[:len(placed)][[g.ops[i].kind == UPDATE for i in placed]] = end.max(initial=0.0)
+    # so does a sharded update's gathered new parameter
+    gathered = len(placed) + np.flatnonzero([g.ops[a].target == ALL_GATHER for a in ar_op])
+    t_free[gathered] = end.max(initial=0.0)
     d_all, size = np.concatenate([d_all, d_all]), np.concatenate([size, -size])
     times = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start, t_free])
     # An update's temporaries live while it runs.

@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 from .coarsen import ALIAS
 from .errors import FasttError
 from .graph import COMPUTE, Op, OpGraph, data_parallel_graph, without_unplaced_updates
+from .shard import shard_updates
 from .strategy import Strategy
 
 aten = torch.ops.aten
@@ -468,9 +469,10 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
 
 
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
-    """The graph a strategy places: `graph`, replicated for data parallelism, with the strategy's splits, less
-    the duplicate updates it leaves out (`graph.duplicate_updates`)."""
-    g = data_parallel_graph(graph, strategy.replicas)
+    """The graph a strategy places: `graph`, replicated for data parallelism, its sharded updates sharded
+    (`fastt.shard`), with the strategy's splits, less the duplicate updates it leaves out
+    (`graph.duplicate_updates`)."""
+    g = shard_updates(data_parallel_graph(graph, strategy.replicas), strategy.sharded)
     for s in strategy.splits:
         g = split(g, s.op, s.dim, s.parts)
     return without_unplaced_updates(g, strategy.placement)

@@ -19,7 +19,8 @@ from typing import Any
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, RESIDENT, OpGraph
 
-FORMAT, VERSION = "fastt.strategy", 1
+FORMAT, VERSION = "fastt.strategy", 2
+READS = (1, 2)  # version 1 had no sharded updates
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Strategy:
     holders: Mapping[str, tuple[int, ...]]
     replicas: int = 1
     splits: tuple[Split, ...] = field(default=())
+    sharded: tuple[str, ...] = field(default=())  # updates sharded over the replicas (`fastt.shard`)
 
     def __post_init__(self) -> None:
         # Normalise containers so that strategies built from lists, or read from JSON, compare equal.
@@ -55,6 +57,7 @@ class Strategy:
         object.__setattr__(self, "order", tuple(tuple(o) for o in self.order))
         object.__setattr__(self, "holders", {k: tuple(v) for k, v in self.holders.items()})
         object.__setattr__(self, "splits", tuple(self.splits))
+        object.__setattr__(self, "sharded", tuple(self.sharded))
 
     def to_json(self) -> str:
         """The versioned JSON text of this strategy."""
@@ -62,6 +65,7 @@ class Strategy:
             "format": FORMAT, "version": VERSION, "planner": self.planner, "n_devices": self.n_devices,
             "replicas": self.replicas,
             "splits": [{"op": s.op, "dim": s.dim, "parts": s.parts} for s in self.splits],
+            "sharded": list(self.sharded),
             "placement": dict(self.placement), "order": [list(o) for o in self.order],
             "holders": {k: list(v) for k, v in self.holders.items()},
         }, indent=1)
@@ -75,9 +79,9 @@ class Strategy:
             raise FasttError(f"strategy is not valid JSON: {e}") from None
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
             raise FasttError(f"not a strategy file: expected an object with \"format\": \"{FORMAT}\"")
-        if obj.get("version") != VERSION:
+        if obj.get("version") not in READS:
             raise FasttError(f"strategy version {obj.get('version')!r} is not supported (this fastt reads "
-                             f"version {VERSION}); re-plan to write a current one")
+                             f"versions {', '.join(map(str, READS))}); re-plan to write a current one")
         splits = [Split(op=_get(s, "op", str, "splits[]"), dim=_get(s, "dim", str, "splits[]"),
                         parts=_get(s, "parts", int, "splits[]")) for s in _get(obj, "splits", list)]
         placement = _get(obj, "placement", dict)
@@ -89,12 +93,15 @@ class Strategy:
                 "order must be a list (one per device) of lists of op names")
         _expect(all(isinstance(v, list) and all(_is_int(d) for d in v) for v in holders.values()),
                 "holders must map op names to lists of device indices")
+        sharded = _get(obj, "sharded", list) if obj["version"] >= 2 else []
+        _expect(all(isinstance(n, str) for n in sharded), "sharded must be a list of update names")
         n_devices, replicas = _get(obj, "n_devices", int), _get(obj, "replicas", int)
         _expect(n_devices >= 1 and replicas >= 1 and all(s.parts >= 1 for s in splits),
                 "n_devices, replicas and every split's parts must be at least 1")
         return cls(planner=_get(obj, "planner", str), n_devices=n_devices,
                    placement=placement, order=tuple(tuple(o) for o in order),
-                   holders={k: tuple(v) for k, v in holders.items()}, replicas=replicas, splits=tuple(splits))
+                   holders={k: tuple(v) for k, v in holders.items()}, replicas=replicas, splits=tuple(splits),
+                   sharded=tuple(sharded))
 
     def save(self, path: str | Path) -> None:
         """Write the strategy as JSON to `path`."""

@@ -11,7 +11,7 @@ from ..graph import OpGraph
 from ..split import graph_for  # noqa: F401 - where it lived before split.py; tests import it from here
 from ..strategy import Strategy
 from .baechi import m_etf, m_sct, m_topo
-from .basic import data_parallel, single_device
+from .basic import data_parallel, single_device, zero
 from .dpos import dpos
 from .heft import heft
 from .mixed import owt, pipeline, table_wise
@@ -26,6 +26,7 @@ PLANNERS: dict[str, Planner] = {
     "os-dpos": lambda graph, cluster: replace(fastt_planner(graph, cluster), planner="os-dpos"),
     "single": single_device,
     "dp": data_parallel,
+    "zero": zero,
     "dpos": dpos,
     "m-topo": m_topo,
     "m-etf": m_etf,

@@ -1,9 +1,14 @@
-"""The two reference strategies: everything on one device, and data parallelism."""
+"""The reference strategies: everything on one device, data parallelism, and data parallelism with sharded
+updates (ZeRO)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..cluster import Cluster
-from ..graph import UPDATE, OpGraph, data_parallel_graph, replica_of
+from ..errors import FasttError
+from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replica_of
+from ..shard import shard_updates, shardable
 from ..strategy import Strategy
 from .common import strategy_from
 
@@ -29,3 +34,24 @@ def data_parallel(graph: OpGraph, cluster: Cluster, accumulate: int = 1) -> Stra
     start = [replica_of(op.name) + r * (op.kind == UPDATE) for op in g.ops]
     return strategy_from(g, "dp", n, device_of, start=start, replicas=r,
                          holders={g.ops[j].name: tuple(range(n)) for j in g.residents})
+
+
+def zero(graph: OpGraph, cluster: Cluster, accumulate: int = 1) -> Strategy:
+    """Data parallelism with every update that can be sharded sharded over the replicas (ZeRO's stage 2,
+    `fastt.shard`): each device keeps and updates its rows of the optimizer state, the gradients are
+    reduce-scattered and the new parameters all-gathered. FasttError where no update can be sharded."""
+    n = len(cluster.devices)
+    r = n * accumulate
+    if r < 2:
+        raise FasttError("zero: sharded updates need at least two replicas")
+    g = data_parallel_graph(graph, r)
+    names = [base_name(op.name) for i, op in enumerate(g.ops)
+             if op.kind == UPDATE and replica_of(op.name) == 0 and not shardable(g, i, r)]
+    if not names:
+        raise FasttError(f"zero: no update of '{graph.name}' can be sharded over {r} replicas")
+    dp = data_parallel(graph, cluster, accumulate)
+    s = shard_updates(g, names)
+    device_of = [replica_of(op.name) // accumulate for op in s.ops]
+    start = [replica_of(op.name) + r * (op.kind == UPDATE) for op in s.ops]
+    plan = strategy_from(s, "zero", n, device_of, start=start, replicas=r, holders=dict(dp.holders))
+    return replace(plan, sharded=tuple(names))

@@ -9,14 +9,16 @@ from dataclasses import replace
 from ..cluster import Cluster
 from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..graph import OpGraph, replicable
+from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
+from ..shard import shardable
 from ..split import graph_for
 from ..strategy import Strategy
+from .basic import zero
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
 from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .search import spread_plans
 
-OPTIONAL = (*EXPERTS, "search")  # planners that raise FasttError where they do not apply
+OPTIONAL = (*EXPERTS, "search", "zero")  # planners that raise FasttError where they do not apply
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
 # at most this much of the budget for the spread search (as the `search` planner has); OS-DPOS's split
 # search gets the rest
@@ -24,9 +26,11 @@ SEARCH_S = 4.0
 
 
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
-              measured: MeasuredCosts | None = None) -> Strategy:
+              measured: MeasuredCosts | None = None, sharded: bool = True) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
-    first (FastT's rule, keep a plan only if it is faster, over a portfolio). The experts plan first, the
+    first (FastT's rule, keep a plan only if it is faster, over a portfolio); with `sharded`, data parallelism
+    with sharded updates (`zero`) too,
+    which the distributed runtime does not run yet. The experts plan first, the
     spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and OS-DPOS's split
     search what is left. Where none of them fits, pipelines with FINER micro-batches are tried until one does
     (memory-bound training)."""
@@ -49,12 +53,23 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
                 candidates.append(pipeline(graph, cluster, measured))
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
+    if sharded:
+        try:
+            candidates.append(zero(graph, cluster))
+        except FasttError:
+            pass  # one device, or no update that shards
     try:
         candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s))
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
     judged = [(_judge(graph_for(graph, s), s, cluster, measured), k, s) for k, s in enumerate(candidates)]
+    if sharded:  # the best plan's updates sharded where it replicates them, or every plan's where none fits
+        fits = any(not misfit for (misfit, _), _, _ in judged)
+        for s in [min(judged)[2]] if fits else [s for _, _, s in judged]:
+            v = with_sharded_updates(graph, s)
+            if v is not None:
+                judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
     for micro in FINER if not any(not misfit for (misfit, _), _, _ in judged) else ():
         # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive,
         # not all of them), each cut a capture of its own, until one fits.
@@ -66,6 +81,22 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
         if not judged[-1][0][0]:
             break
     return replace(min(judged)[2], planner="fastt")
+
+
+def with_sharded_updates(graph: OpGraph, s: Strategy) -> Strategy | None:
+    """`s` with its updates sharded (`fastt.shard`) wherever it runs one copy a replica, each on its own
+    device (a layer data-parallel over every replica), and the update can be; None where none is. The
+    placement and order stay: a sharded update's parts are its copies, and the collectives are not placed."""
+    if s.replicas < 2 or s.sharded:
+        return None
+    g = data_parallel_graph(graph, s.replicas)
+    devices: dict[str, list[int]] = {}
+    for i, op in enumerate(g.ops):
+        if op.kind == UPDATE and op.name in s.placement:
+            devices.setdefault(base_name(op.name), []).append(s.placement[op.name])
+    names = tuple(u for u, ds in devices.items() if len(set(ds)) == s.replicas
+                  and not shardable(g, g.index[f"r0/{u}"], s.replicas))
+    return replace(s, sharded=names) if names else None
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:

@@ -34,7 +34,7 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from ..errors import FasttError
-from ..lower import JOIN, PART, Lowered, Task
+from ..lower import JOIN, PART, SHARD, Lowered, Task
 from ..split import join, rule, run_part
 from .meter import StorageMeter
 from .programs import Programs, Segment, on_device
@@ -230,6 +230,19 @@ class _Run:
             dim, k, parts = t.part
             env[f"{t.head}#{k}"] = run_part(n.target, *args_of(n), dim, k, parts)
             return
+        if t.kind == SHARD:  # this replica's rows of the parameter, its mean gradient and its state
+            _, k, parts = t.part
+            shape = self.nodes[t.head].meta["val"].shape
+
+            def rows(a: fx.Node) -> object:
+                x = self.get(t.replica, a.name, d)
+                whole = isinstance(x, torch.Tensor) and x.shape == shape
+                return torch.tensor_split(x, parts)[k] if whole else x
+            for name in t.nodes:
+                n = self.nodes[name]
+                args, kwargs = map_arg((n.args, n.kwargs), rows)
+                env[name] = n.target(*args, **on_device(kwargs, device))
+            return
         if t.kind == JOIN:
             dim, _, parts = self.low.graph.ops[t.waits[0]].split
             env[t.head] = join(rule(self.nodes[t.head].target, dim),
@@ -313,6 +326,8 @@ class _Run:
 def written(seg: Segment) -> tuple[str, ...]:
     """The values an interpreted segment (a split part or a join) writes to its replica's table."""
     t = seg.tasks[0]
+    if t.kind == SHARD:
+        return t.nodes
     return (f"{t.head}#{t.part[1]}",) if t.kind == PART else (t.head, *t.nodes)
 
 
@@ -410,6 +425,15 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
             whole.copy_(written)
     out, n = programs.outputs, len(low.step.param_names)
     loss = weighted_loss(envs, programs, home)
-    new_params = [envs[0][x].to(home) for x in out[1 + n:1 + 2 * n]]
-    new_states = [envs[0][x].to(home) for x in out[1 + 2 * n:]]
+    new_params = [result(envs, programs, x, home) for x in out[1 + n:1 + 2 * n]]
+    new_states = [result(envs, programs, x, home) for x in out[1 + 2 * n:]]
     return loss, new_params, new_states
+
+
+def result(envs: Sequence[dict], programs: Programs, name: str, home: torch.device) -> torch.Tensor:
+    """The step's result `name` on `home`: replica 0's, or, made by a sharded update, every replica's rows
+    joined (the all-gather)."""
+    x, whole = envs[0][name], programs.nodes[name].meta.get("val")
+    if isinstance(whole, torch.Tensor) and x.shape != whole.shape:
+        return torch.cat([env[name].to(home) for env in envs])
+    return x.to(home)

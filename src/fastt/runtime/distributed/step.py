@@ -40,6 +40,8 @@ class DistributedStep(PlacedStep):
     on rank 0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep
     what their devices read."""
 
+    sharded = False  # sharded updates run on the local runtime only, so far
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
                  wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,
                  cluster: Cluster | None = None, costs: MeasuredCosts | None = None,

@@ -1,0 +1,146 @@
+"""Sharded updates (ZeRO's stage 2): each replica updates its rows of a parameter, then the rows are gathered.
+
+Under data parallelism every replica's device averages the whole gradient and applies the whole update to its
+own copy of the parameter and its optimizer state. A sharded update cuts the parameter's dim 0 into one part a
+replica (`torch.tensor_split`'s parts): the gradient's allreduce becomes a reduce-scatter (replica k keeps
+the mean of its rows), replica k's update runs on its rows of the parameter, the mean and the state, and an
+all-gather brings the new parameter's rows to every replica. Each device then holds only its rows of the
+optimizer state (`sharded_residents`) and makes only its rows of the new state, and the two collectives move
+what one allreduce moves. The update computes exactly what the whole update computes on those rows: it is
+elementwise over the parameter (`shardable` checks every node), so training is bit for bit data parallelism's.
+
+`shard_updates(g, names)` rewrites the data-parallel graph in place of index: replica k's copy of update u
+becomes part k (`split = ("rows", k, R)`), the allreduce feeding it a REDUCE_SCATTER, and an ALL_GATHER of
+the parts' new rows is appended at the end of the graph (nothing in the step reads it: it is the step's new
+parameter, which lives to the step's end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from .errors import FasttError
+from .graph import ALLREDUCE, PARAM, STATE, UPDATE, Op, OpGraph, base_name, replica_of
+
+REDUCE_SCATTER, ALL_GATHER = "reducescatter", "allgather"  # targets of ALLREDUCE-kind ops
+ROWS = "rows"
+
+# View ops that keep every element where it is; any other view (reshape, expand, slice) would see the rows'
+# shape, not the parameter's.
+_SAFE_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def _param_of(g: OpGraph, op: Op) -> Op | None:
+    return next((g.ops[u] for u in op.updates if g.ops[u].kind == PARAM), None)
+
+
+def _shape(g: OpGraph, name: str) -> torch.Size | None:
+    """The shape of fx node `name`'s value in the captured step, if the graph carries its capture."""
+    gm = getattr(g.fx, "gm", None)
+    node = next((n for n in gm.graph.nodes if n.name == name), None) if gm is not None else None
+    val = node.meta.get("val") if node is not None else None
+    return val.shape if isinstance(val, torch.Tensor) else None
+
+
+def _rows_of(g: OpGraph, resident: Op, param: Op, shape: torch.Size | None) -> bool:
+    """Whether a resident an update writes has the parameter's rows (its state of the same shape; not Adam's
+    step counter)."""
+    if shape is None:  # a graph built by hand: by size
+        return resident.out_bytes == param.out_bytes
+    return _shape(g, resident.nodes[0]) == shape
+
+
+def shares(rows: int, parts: int) -> list[float]:
+    """Each part's share of `rows` rows as torch.tensor_split cuts them."""
+    return [len(r) / rows for r in torch.tensor_split(torch.arange(rows), parts)]
+
+
+def shardable(g: OpGraph, i: int, parts: int) -> str:
+    """Why update op i cannot be sharded into `parts` parts ("" when it can): it updates one parameter with at
+    least `parts` rows, every node of it is elementwise over the parameter, and its gradient's allreduce
+    feeds nothing but copies of it."""
+    op = g.ops[i]
+    param = _param_of(g, op)
+    if op.kind != UPDATE or param is None:
+        return f"'{op.name}' updates no parameter"
+    gm = getattr(g.fx, "gm", None)
+    if gm is not None:
+        shape = _shape(g, param.nodes[0])
+        if shape is None or len(shape) == 0 or shape[0] < parts:
+            return f"'{param.name}' has fewer than {parts} rows"
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for name in op.nodes:
+            n = nodes[name]
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                return f"'{op.name}' computes a non-tensor ({name})"
+            reads_rows = any(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == shape
+                             for a in n.all_input_nodes)
+            elementwise = val.shape == shape or (val.dim() == 0 and not reads_rows)
+            if not elementwise or (n.target not in _SAFE_VIEWS and "view" in str(n.target)):
+                return f"'{op.name}' is not elementwise over '{param.name}' ({name}: {n.target})"
+    for j in op.inputs:
+        if g.ops[j].kind == ALLREDUCE and any(base_name(g.ops[s].name) != base_name(op.name)
+                                              for s in g.succs[j]):
+            return f"the gradient '{op.name}' reads is also read by another op (a gradient clip's norm)"
+    return ""
+
+
+def shard_updates(g: OpGraph, names: Sequence[str]) -> OpGraph:
+    """The data-parallel graph `g` with the updates `names` (names in the captured step, `update:fc.weight`)
+    sharded over its replicas (module docstring); FasttError names an update that cannot be."""
+    parts = g.replicas
+    if not names:
+        return g
+    if parts < 2:
+        raise FasttError("sharded updates need data-parallel replicas: the strategy has one")
+    copies: dict[str, list[int]] = {name: [] for name in names}
+    for i, op in enumerate(g.ops):
+        if op.kind == UPDATE and base_name(op.name) in copies:
+            copies[base_name(op.name)].append(i)
+    ops = list(g.ops)
+    gathers: list[Op] = []
+    for name, idx in copies.items():
+        if len(idx) != parts:
+            raise FasttError(f"cannot shard '{name}': the graph has {len(idx)} copies of it, not one per "
+                             f"replica ({parts})")
+        why = shardable(g, idx[0], parts)
+        if why:
+            raise FasttError(f"cannot shard '{name}': {why}")
+        param = _param_of(g, g.ops[idx[0]])
+        shape = _shape(g, param.nodes[0])
+        share = shares(shape[0], parts) if shape is not None else [1 / parts] * parts
+        cut = {u for u in g.ops[idx[0]].updates if _rows_of(g, g.ops[u], param, shape)}
+        for i in idx:
+            op, k = g.ops[i], replica_of(g.ops[i].name)
+            s = share[k]
+            for j in op.inputs:
+                if g.ops[j].kind == ALLREDUCE and g.ops[j].target != REDUCE_SCATTER:
+                    a = g.ops[j]
+                    ops[j] = replace(a, target=REDUCE_SCATTER, out_bytes=round(a.out_bytes * max(share)))
+                    cut.add(j)
+            ops[i] = replace(op, split=(ROWS, k, parts), flops=op.flops * s, io_bytes=round(op.io_bytes * s),
+                             out_bytes=round(op.out_bytes * s), temp_bytes=round(op.temp_bytes * s),
+                             in_bytes=tuple(round(b * s) if j in cut else b
+                                            for j, b in zip(op.inputs, op.in_bytes)))
+        by_replica = sorted(idx, key=lambda i: replica_of(g.ops[i].name))
+        gathers.append(Op(name=f"{ALL_GATHER}/{name}", kind=ALLREDUCE, target=ALL_GATHER,
+                          inputs=tuple(by_replica),
+                          in_bytes=tuple(round(param.out_bytes * share[k]) for k in range(parts)),
+                          out_bytes=param.out_bytes, io_bytes=2 * param.out_bytes))
+    return replace(g, ops=tuple(ops) + tuple(gathers))
+
+
+def sharded_residents(g: OpGraph) -> dict[int, int]:
+    """Optimizer state a sharded update writes (resident index -> parts): each part's device holds only its
+    rows. The parameter itself is held whole, as its readers read it."""
+    out: dict[int, int] = {}
+    for op in g.ops:
+        if op.kind == UPDATE and op.split:
+            for j, b in zip(op.inputs, op.in_bytes):
+                if g.ops[j].kind == STATE and b < g.ops[j].out_bytes:
+                    out[j] = op.split[2]
+    return out
