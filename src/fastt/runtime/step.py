@@ -81,8 +81,8 @@ class ParallelStep(PlacedStep):
         guards.check(step.gm, batch, self.lowered.replicas)
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
-                                                batch,
-                                                hypers, self.threads_per_device, timings, self.meter)
+                                                batch, hypers, self.threads_per_device, timings, self.meter,
+                                                self.placed.budgets)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
         # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
