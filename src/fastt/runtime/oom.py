@@ -36,8 +36,8 @@ def budgets(tl: Timeline) -> tuple[Budget, ...]:
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is an allocation that failed (on a GPU or on the CPU)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
+    """Whether `e` is an allocation that failed (on a GPU, on the CPU, or Python's own)."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _SAYS))
 
 
