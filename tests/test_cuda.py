@@ -21,7 +21,12 @@ import sys
 
 import pytest
 import torch
-from test_runtime import failing_allreduce_stops_every_device, random_plan, same_state
+from test_runtime import (
+    failing_allreduce_stops_every_device,
+    out_of_memory_ends_the_step,
+    random_plan,
+    same_state,
+)
 
 import fastt
 from fastt import zoo
@@ -184,6 +189,12 @@ def test_tuning_on_the_gpu_keeps_training_exact() -> None:
 def test_a_failing_allreduce_on_the_gpu_stops_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
     _, ours = pair("mlp")
     failing_allreduce_stops_every_device(ours, "cuda:0,0", monkeypatch)
+
+
+def test_a_stream_that_runs_out_of_memory_ends_the_step_naming_it_and_its_peak() -> None:
+    """The caching allocator's own torch.OutOfMemoryError (4 EiB asked for on the second stream's device)."""
+    _, ours = pair("mlp")
+    out_of_memory_ends_the_step(ours, "cuda:0,0", None)
 
 
 def test_parallelize_needs_the_model_on_the_gpu() -> None:

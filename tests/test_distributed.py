@@ -125,19 +125,39 @@ def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(ranks: int, fault: st
     assert re.search(named, others), err[-3000:]
 
 
+def faulted(fault: str, says: str) -> tuple[float | None, int, str]:
+    """mlp DP on 2 ranks with FASTT_FAULT=`fault`: seconds from the stderr line saying `says` (the fault firing)
+    to the end of the job (None if no line said it), the exit code, and the stderr after that line."""
+    p = torchrun(2, "--model", "mlp", "--planners", "dp", "--steps", "6", "--timeout", "20",
+                 env={**ENV, "FASTT_FAULT": fault})
+    fired = None
+    for line in p.stderr:
+        if says in line:
+            fired = time.monotonic()
+            break
+    _, err = p.communicate(timeout=300)
+    return None if fired is None else time.monotonic() - fired, p.returncode, err
+
+
 def test_survivors_of_a_killed_rank_exit_within_30_s() -> None:
     """Time from the kill to the end of the job."""
-    env = {**ENV, "FASTT_FAULT": "1:2:kill"}
-    p = torchrun(2, "--model", "mlp", "--planners", "dp", "--steps", "6", "--timeout", "20", env=env)
-    killed = None
-    for line in p.stderr:
-        if "kills itself" in line:
-            killed = time.monotonic()
-            break
-    p.communicate(timeout=300)
-    end = time.monotonic()
-    assert killed is not None and p.returncode != 0
-    assert end - killed < 30
+    seconds, code, _ = faulted("1:2:kill", "kills itself")
+    assert seconds is not None and code != 0
+    assert seconds < 30
+
+
+def test_a_rank_that_runs_out_of_memory_ends_the_job_within_30_s_naming_it_and_its_peak() -> None:
+    """Rank 1's first matrix multiply of step 2 asks its allocator for 4 EiB (`FASTT_FAULT=1:2:oom`): it says
+    in one line that it ran out of memory, with the op and the plan's simulated peak beside the device's memory,
+    and rank 0, waiting for it in the gradients' allreduce, stops and repeats that first failure."""
+    seconds, code, err = faulted("1:2:oom", "runs out of memory")
+    assert seconds is not None and code != 0 and seconds < 30, err[-3000:]
+    oom = (r"rank 1: device 1 \(rank:1\) ran out of memory in op 'r1/\w+'; the plan's simulated peak there is "
+           r"[\d.]+ [kMG]?B of its [\d.]+ GB .*\(RuntimeError: .*can't allocate memory")
+    said = [line for line in err.splitlines() if line.startswith("fastt: rank")]
+    assert any(re.match("fastt: " + oom, s) for s in said), err[-3000:]
+    assert any(s.startswith("fastt: rank 0:") and re.search("first failure in the job: " + oom, s) for s in said), \
+        err[-3000:]
 
 
 @pytest.mark.parametrize(("ranks", "victim"), [(4, 1), (4, 0)] if FULL else [(2, 1), (4, 0)])

@@ -118,6 +118,31 @@ def test_an_autocast_dtype_fastt_does_not_capture_is_refused() -> None:
         capture_step(w.model, w.loss_fn, w.optimizer, w.example_inputs, autocast=torch.float64)
 
 
+def test_an_enabled_grad_scaler_is_refused_in_one_line_before_any_work() -> None:
+    """fp16 with torch.amp.GradScaler (issue 19): the captured step has no loss scaling, inf/nan check or skipped
+    update, so both runtimes' parallelize refuse an enabled scaler at once (before a capture or a process
+    group), and anything else that is not a scaler; a disabled one (a no-op in an eager loop too) trains as no
+    scaler does."""
+    from fastt.runtime import parallelize
+    from fastt.runtime.distributed import parallelize_distributed
+
+    w = zoo.get("mlp", "test", dropout=False)
+    for run in (parallelize, parallelize_distributed):
+        with pytest.raises(FasttError, match=r"^fastt does not capture torch.amp.GradScaler's loss scaling yet: "
+                                             r".*scaler.step\(optimizer\) have nothing to act on; train with "
+                                             r"autocast=torch.bfloat16") as e:
+            run(w.model, w.loss_fn, w.optimizer, w.example_inputs, autocast=torch.float16,
+                grad_scaler=torch.amp.GradScaler("cpu"))
+        assert "\n" not in str(e.value)
+        with pytest.raises(FasttError, match="grad_scaler must be a torch.amp.GradScaler or None, got dict"):
+            run(w.model, w.loss_fn, w.optimizer, w.example_inputs, grad_scaler={})
+    before = [p.clone() for p in w.model.parameters()]
+    step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", "dp", trial=False,
+                       autocast=torch.float16, grad_scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert torch.isfinite(step(*w.example_inputs))
+    assert not all(torch.equal(a, b) for a, b in zip(before, w.model.parameters()))
+
+
 def test_bf16_plans_run_on_cpu_worker_devices_as_eager_autocast() -> None:
     """On cpu:2, data parallelism and DPOS's plan train in bf16 as eager under the same autocast, step by step
     from the same state (DP's mean sums in replica order, another order than one device's kernel)."""

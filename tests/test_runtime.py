@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -26,7 +28,10 @@ from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.plan.portfolio import OPTIONAL
 from fastt.runtime import StepError, parallelize
+from fastt.runtime.meter import StorageMeter
+from fastt.runtime.oom import FailAllocation
 from fastt.runtime.reference import eager_reference_step
+from fastt.simulate import human_bytes
 from fastt.split import graph_for, split
 from fastt.strategy import Split
 
@@ -224,6 +229,46 @@ def failing_allreduce_stops_every_device(ours: zoo.Workload, devices: str, monke
     with pytest.raises(StepError, match=r"op 'allreduce before .*' on device \d failed: RuntimeError: reduce failed"):
         step(*ours.example_inputs)
     assert time.perf_counter() - t0 < 10
+
+
+class OutOfMemoryOn(StorageMeter):
+    """A meter (the hook a device's thread enters) under which device `victim` runs out of memory at its first
+    matrix multiply (`oom.FailAllocation`: a real allocation its allocator refuses, or `raises`)."""
+
+    def __init__(self, devices: int, victim: int, raises: BaseException | None = None) -> None:
+        super().__init__(devices)
+        self.victim, self.raises = victim, raises
+
+    def on(self, device: int):
+        return FailAllocation(self.raises) if device == self.victim else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("raises", [None, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")],
+                         ids=["allocator", "OutOfMemoryError"])
+def test_a_device_that_runs_out_of_memory_ends_the_step_naming_it_and_its_peak(raises: BaseException | None) -> None:
+    _, ours = pair("mlp")
+    out_of_memory_ends_the_step(ours, "cpu:2", raises)
+
+
+def out_of_memory_ends_the_step(ours: zoo.Workload, devices: str, raises: BaseException | None) -> None:
+    """Device 1 of a data-parallel step runs out of memory: one StepError within seconds says so, naming the
+    device, the op, and the plan's simulated peak there beside the device's memory; the other device stops, the
+    model is untouched, and the next step runs."""
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, devices, "dp")
+    before = [p.clone() for p in ours.model.parameters()]
+    budget = step.placed.budgets[1]
+    said = re.escape(f"the plan's simulated peak there is {human_bytes(budget.peak_bytes)} of its "
+                     f"{human_bytes(budget.memory_bytes)}")
+    step.meter = OutOfMemoryOn(2, 1, raises)
+    t0 = time.perf_counter()
+    with pytest.raises(StepError, match=rf"^device 1 \({re.escape(budget.device)}\) ran out of memory in op "
+                                        rf"'r1/\w+'; {said} .*\((OutOfMemoryError|RuntimeError): .*memory"):
+        step(*ours.example_inputs)
+    assert time.perf_counter() - t0 < 10
+    step.meter = None
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.model.parameters()))
+    step(*ours.example_inputs)
+    assert not all(torch.equal(a, b) for a, b in zip(before, ours.model.parameters()))
 
 
 def test_a_plan_that_does_not_fit_is_refused_before_running(tmp_path: Path) -> None:

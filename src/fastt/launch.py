@@ -17,13 +17,14 @@ that failed first; `--timeout` bounds how long a rank waits for a peer.
 `fastt run --tune` does locally): rank 0's tuner sees every rank's segment times; when it switches plans,
 every rank does, taking rank 0's model and optimizer state.
 
-`FASTT_FAULT=RANK:STEP:kill|raise` makes that rank die (SIGKILL) or raise at the start of that step
-(fault tests).
+`FASTT_FAULT=RANK:STEP:kill|raise|oom` makes that rank die (SIGKILL) or raise at the start of that step, or
+run out of memory at its first matrix multiply in it (fault tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,28 +56,33 @@ def _use_gpu() -> None:
 
 
 def fault_spec(text: str) -> tuple[int, int, str] | None:
-    """FASTT_FAULT's (rank, step, kill|raise), None when it is empty;
+    """FASTT_FAULT's (rank, step, kill|raise|oom), None when it is empty;
     a FasttError saying the form otherwise."""
     if not text:
         return None
-    m = re.fullmatch(r"(\d+):(\d+):(kill|raise)", text.strip())
+    m = re.fullmatch(r"(\d+):(\d+):(kill|raise|oom)", text.strip())
     if m is None:
-        raise FasttError(f"FASTT_FAULT={text!r}: expected RANK:STEP:kill or RANK:STEP:raise (e.g. 1:2:kill), "
-                         "or leave it unset")
+        raise FasttError(f"FASTT_FAULT={text!r}: expected RANK:STEP:kill, RANK:STEP:raise or RANK:STEP:oom "
+                         "(e.g. 1:2:kill), or leave it unset")
     return int(m[1]), int(m[2]), m[3]
 
 
-def _fault(rank: int, step: int) -> None:
+def _fault(rank: int, step: int) -> contextlib.AbstractContextManager:
+    """What FASTT_FAULT does to this rank's step: nothing (a null context), die or raise now, or run out of
+    memory inside it (the context to run it in)."""
+    from .runtime.oom import FailAllocation
+
     spec = fault_spec(os.environ.get("FASTT_FAULT", ""))
-    if spec is None:
-        return
-    r, s, what = spec
-    if r == rank and s == step:
-        if what == "kill":
-            print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr,
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
+    if spec is None or spec[:2] != (rank, step):
+        return contextlib.nullcontext()
+    if spec[2] == "oom":
+        print(f"fastt: FASTT_FAULT: this process runs out of memory in step {step}", file=sys.stderr,
+              flush=True)
+        return FailAllocation()
+    if spec[2] == "kill":
+        print(f"fastt: FASTT_FAULT: this process kills itself at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"fault injected at step {step} (FASTT_FAULT)")
 
 
 def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data.DataLoader | None,
@@ -197,8 +203,8 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
             eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
         dist.barrier()
         t0 = time.perf_counter()
-        _fault(rank, i)  # the others are in the step, waiting for this rank
-        step(*shard)  # on a GPU it ends once the GPU is done
+        with _fault(rank, i):  # the others are in the step, waiting for this rank
+            step(*shard)  # on a GPU it ends once the GPU is done
         dist.barrier()
         times.append(time.perf_counter() - t0)
         tuned += step.tuner is not None and step.tuner.active

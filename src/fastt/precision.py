@@ -3,7 +3,8 @@
 A step captured with `autocast=torch.bfloat16` (or float16) runs its forward (model and loss) under
 `torch.autocast(device_type, dtype)`, as a user's eager loop does: the graph then holds autocast's casts and
 the low-precision tensors, while parameters, gradients and optimizer state stay in their own dtype (float32),
-since autocast casts copies and autograd returns each gradient in its parameter's dtype.
+since autocast casts copies and autograd returns each gradient in its parameter's dtype. Loss scaling
+(`torch.amp.GradScaler`) is not captured, and an enabled scaler is refused (`check_scaler`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ def check(dtype: torch.dtype | None) -> torch.dtype | None:
         raise FasttError(f"autocast={dtype} is not a mixed precision fastt captures: pass torch.bfloat16, "
                          "torch.float16 or None")
     return dtype
+
+
+def check_scaler(scaler: object) -> None:
+    """Refuse an enabled `torch.amp.GradScaler` (one that would scale the loss) in one line; None and a
+    disabled scaler (`enabled=False`, a no-op) pass. fastt's step runs the backward and the optimizer's update
+    itself, so a scaler's `scale(loss).backward()` and `step(optimizer)` have nothing to act on, and the
+    captured step has no loss scaling, inf/nan check or skipped update of its own yet."""
+    if scaler is None or isinstance(scaler, torch.amp.GradScaler) and not scaler.is_enabled():
+        return
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise FasttError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+    raise FasttError("fastt does not capture torch.amp.GradScaler's loss scaling yet: its step runs the "
+                     "backward and the update itself, so scaler.scale(loss).backward() and "
+                     "scaler.step(optimizer) have nothing to act on; train with autocast=torch.bfloat16, "
+                     "which needs no loss scaling, or fp16 without a scaler (gradients may underflow)")
 
 
 def device_type(tensors: Sequence[torch.Tensor]) -> str:

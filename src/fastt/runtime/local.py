@@ -37,11 +37,13 @@ from ..errors import FasttError
 from ..lower import JOIN, PART, SHARD, Lowered, Task
 from ..split import join, rule, run_part
 from .meter import StorageMeter
+from .oom import Budget, oom_message, out_of_memory
 from .programs import Programs, Segment, on_device
 
 
 class StepError(RuntimeError):
-    """An op raised while the step ran; the message names it and the device."""
+    """An op raised while the step ran; the message names it and the device (out of memory: also the plan's
+    simulated peak there beside the device's memory, `oom.oom_message`)."""
 
 
 class _Run:
@@ -52,9 +54,10 @@ class _Run:
     signalled = True  # devices run in threads of this process and wait on each other's events
 
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
-                 timings: list | None, meter: StorageMeter | None = None) -> None:
+                 timings: list | None, meter: StorageMeter | None = None,
+                 budgets: Sequence[Budget] = ()) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
-        self.meter = meter
+        self.meter, self.budgets = meter, budgets
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
         self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
@@ -153,6 +156,14 @@ class _Run:
                 self.error = (name, d, e)
         for ev in self.events.values():
             ev.set()
+
+    def failure(self) -> str:
+        """What the first error says: the op that raised and its device; out of memory, also the plan's
+        simulated peak there."""
+        name, d, e = self.error
+        if out_of_memory(e):
+            return oom_message(f"in op '{name}'", d, self.budgets, e)
+        return f"op '{name}' on device {d} failed: {type(e).__name__}: {e}"
 
     def get(self, k: int, name: str, d: int, x: object = None):
         """Replica k's value `name` (or `x`, a value it had) on device d: on another GPU, copied once per
@@ -383,12 +394,13 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
              batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int = 1,
              timings: list | None = None, meter: StorageMeter | None = None,
-             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+             budgets: Sequence[Budget] = ()) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
     state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of
-    every segment run (on CUDA the segment's GPU time); `meter` counts what each device's thread allocates."""
+    every segment run (on CUDA the segment's GPU time); `meter` counts what each device's thread allocates;
+    `budgets` (the placed plan's) are what a device that runs out of memory is said to have needed."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
-    run = _Run(low, programs, envs, threads_per_device, timings, meter)
+    run = _Run(low, programs, envs, threads_per_device, timings, meter, budgets)
     with torch.no_grad():
         for env in envs:
             for name in low.prelude:
@@ -410,8 +422,7 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
             run.error = ("(asynchronous CUDA error: rerun with CUDA_LAUNCH_BLOCKING=1 to name the op)", -1, e)
     run.held.clear()
     if run.error is not None:
-        name, d, e = run.error
-        raise StepError(f"op '{name}' on device {d} failed: {type(e).__name__}: {e}") from e
+        raise StepError(run.failure()) from run.error[2]
     if timings is not None and gpus:
         timings[:] = [(seg, d, t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3)
                       for seg, d, t in timings]

@@ -27,6 +27,7 @@ from ..lower import JOIN, PART, RUN, Lowered, Task, lower
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
+from .oom import Budget, budgets
 
 
 @dataclass(frozen=True)
@@ -215,13 +216,14 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
 
 @dataclass(frozen=True)
 class Placed:
-    """A strategy ready to run: its per-device programs and its simulated iteration time (measured op
-    costs)."""
+    """A strategy ready to run: its per-device programs, its simulated iteration time (measured op costs) and
+    each device's simulated peak memory beside its memory (`budgets`, what a step that runs out names)."""
 
     strategy: Strategy
     lowered: Lowered
     programs: Programs
     simulated_s: float
+    budgets: tuple[Budget, ...] = ()
 
 
 def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts,
@@ -233,7 +235,7 @@ def place(graph: OpGraph, strategy: Strategy, cl: Cluster, costs: MeasuredCosts,
     tl = simulate_plan(graph, strategy, cl, costs, release=release_points(low, programs))
     if not tl.fits:
         raise FasttError("the plan does not fit in device memory: " + "; ".join(tl.oom))
-    return Placed(strategy, low, programs, tl.iteration_s)
+    return Placed(strategy, low, programs, tl.iteration_s, budgets(tl))
 
 
 def release_points(low: Lowered, programs: Programs) -> dict[str, str]:

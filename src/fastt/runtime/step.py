@@ -20,6 +20,7 @@ from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import Lowered
 from ..plan.basic import data_parallel, single_device
+from ..precision import check_scaler
 from ..strategy import Strategy
 from .decide import decide, tuner_of
 from .local import run_step
@@ -82,8 +83,8 @@ class ParallelStep(PlacedStep):
         guards.check(step.gm, batch, self.lowered.replicas)
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
-                                                batch,
-                                                hypers, self.threads_per_device, timings, self.meter)
+                                                batch, hypers, self.threads_per_device, timings, self.meter,
+                                                self.placed.budgets)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
         # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
@@ -109,7 +110,8 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
                 example_inputs: Sequence[torch.Tensor], devices: str = "cpu:2", planner: str = "fastt",
                 strategy: Strategy | None = None, tune: bool | Tuner = False,
                 clip_grad_norm: float | None = None, accumulate: int = 1,
-                trial: bool | int = True, autocast: torch.dtype | None = None) -> ParallelStep:
+                trial: bool | int = True, autocast: torch.dtype | None = None,
+                grad_scaler: torch.amp.GradScaler | None = None) -> ParallelStep:
     """Capture the step, plan it for `devices` (or use `strategy`), refuse a plan that does not fit, and
     return the step callable. Devices are CPU worker devices (`cpu:N`) or local GPUs (`cuda`, `cuda:0,1`;
     `cuda:0,0` runs two devices as two streams of one GPU); on GPUs the model must be on one of them (its
@@ -129,8 +131,12 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     gradient (gradient accumulation: a device holds one micro-batch's activations): the plan is data
     parallelism over the micro-batches (`plan.basic.data_parallel`). `autocast` (torch.bfloat16 or
     torch.float16) runs the forward under `torch.autocast` on the model's device, as an eager loop's `with
-    torch.autocast(...)` around the forward and the loss does (`fastt.precision`).
+    torch.autocast(...)` around the forward and the loss does (`fastt.precision`). `grad_scaler`: loss
+    scaling is not captured, so an enabled `torch.amp.GradScaler` is refused (a disabled one is a no-op);
+    never call a scaler's `scale(loss).backward()` or `step(optimizer)` on fastt's step, which has already
+    run the backward and the update.
     """
+    check_scaler(grad_scaler)
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise FasttError("accumulate must be a whole number of micro-batches a step (1 or more), got "
                          f"{accumulate!r}")

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from ...lower import Lowered
 from ..local import _Run, replica_mean
+from ..oom import Budget
 from ..programs import Programs
 from .collectives import ReduceCall, Shards
 from .faults import HEARTBEAT_S, LostPeer, RankError, failure_recorded, lost
@@ -164,8 +165,9 @@ class RankRun(_Run):
     signalled = False
 
     def __init__(self, low: Lowered, programs: Programs, wiring: Wiring, envs: list[dict], rank: int,
-                 timeout: timedelta, buffers: Buffers, timings: list | None = None) -> None:
-        super().__init__(low, programs, envs, torch.get_num_threads(), timings)
+                 timeout: timedelta, buffers: Buffers, timings: list | None = None,
+                 budgets: Sequence[Budget] = ()) -> None:
+        super().__init__(low, programs, envs, torch.get_num_threads(), timings, budgets=budgets)
         self.wiring, self.rank, self.timeout, self.buffers = wiring, rank, timeout, buffers
         self.groups = directions(buffers.device)
         # On a GPU, its default stream: never a pooled stream, which a direction's NCCL ops may run on.
@@ -197,8 +199,7 @@ class RankRun(_Run):
             self.receive(self.wiring.recv_before[d][i])
             self.reduce(self.wiring.reduce_before[d][i])
             if not self.run_segment(seg, d):
-                name, _, e = self.error
-                raise RankError(f"op '{name}' failed: {type(e).__name__}: {e}") from e
+                raise RankError(self.failure()) from self.error[2]
             self.send(self.wiring.send_after[d][i])
         self.start(self.wiring.start_before[d][-1])
         self._end(d)

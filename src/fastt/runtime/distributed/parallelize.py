@@ -14,6 +14,7 @@ from ...cluster import Cluster
 from ...coarsen import capture_graph
 from ...cost import measure_step
 from ...errors import FasttError
+from ...precision import check_scaler
 from ...strategy import Strategy
 from ..decide import decide, tuner_of
 from ..programs import place
@@ -32,7 +33,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                             timeout_s: float = DEFAULT_TIMEOUT_S, trial_steps: int = TRIAL_STEPS,
                             tune: bool | Tuner = False,
                             clip_grad_norm: float | None = None,
-                            autocast: torch.dtype | None = None) -> DistributedStep:
+                            autocast: torch.dtype | None = None,
+                            grad_scaler: torch.amp.GradScaler | None = None) -> DistributedStep:
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
     current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
     inputs. Every rank captures the step and measures its op times (at once, so they include what the ranks
@@ -44,7 +46,9 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     trial; `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a
     configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
     first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and
-    logs. `autocast`: the forward runs under `torch.autocast` in that dtype, as `parallelize`'s."""
+    logs. `autocast`: the forward runs under `torch.autocast` in that dtype, and an enabled `grad_scaler` is
+    refused, as `parallelize`'s."""
+    check_scaler(grad_scaler)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     home = {t.device for t in [*model.parameters(), *example_inputs]}

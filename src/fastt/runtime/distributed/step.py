@@ -20,6 +20,7 @@ from ...errors import FasttError
 from ...graph import OpGraph
 from ...strategy import Strategy
 from ..local import replica_envs, replica_tables, weighted_loss
+from ..oom import oom_message, out_of_memory
 from ..programs import Placed, place
 from ..shards import Feed, Piece, plan_feed
 from ..step import PlacedStep
@@ -99,7 +100,7 @@ class DistributedStep(PlacedStep):
                 replica_tables(low, programs, params, buffers, states, shares, hypers, weights))
         tuning = self.tuner is not None and self.tuner.active
         run = RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
-                      [] if tuning else None)
+                      [] if tuning else None, self.placed.budgets)
         with torch.no_grad():
             for env in envs:
                 for name in low.prelude:  # a view of an input this rank does not hold is read nowhere here
@@ -130,15 +131,18 @@ class DistributedStep(PlacedStep):
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
-        """A failure of this rank (not a refused batch) is recorded as the job's and raised as a RankError."""
+        """A failure of this rank (not a refused batch) is recorded as the job's and raised as a RankError
+        (out of memory between ops, in a message's or collective's buffer, naming the plan's peak too)."""
         try:
             yield
         except FasttError:
             raise
         except Exception as e:
-            raise RankError(record_failure(f"rank {self.rank}: {e}" if isinstance(e, RankError)
-                                           else f"rank {self.rank}: {type(e).__name__}: {e}",
-                                           lost_peer=isinstance(e, LostPeer))) from e
+            why = (str(e) if isinstance(e, RankError) else
+                   oom_message("outside an op (a message or collective)", self.rank, self.placed.budgets, e)
+                   if out_of_memory(e) else f"{type(e).__name__}: {e}")
+            lost_peer = isinstance(e, LostPeer)
+            raise RankError(record_failure(f"rank {self.rank}: {why}", lost_peer=lost_peer)) from e
 
     def _fed(self, shard: Sequence[torch.Tensor]) -> tuple[list[list[torch.Tensor | None]], list[float]]:
         """Per replica, the inputs this rank holds (None where it holds none) from its shard and the rows the
