@@ -4,7 +4,8 @@
 another device once started (a segment ends where another device waits for its last op, and starts where it
 waits for another device or an allreduce). A segment of plain tasks becomes one generated Python function
 (torch.fx codegen), so its values stay local and only the ones read elsewhere go through the replica's shared
-table; split parts and joins are interpreted. `place` lowers, compiles and simulates a strategy, with the
+table (a sharded update's task reads its rows of the values with its parameter's shape); split parts and
+joins are interpreted. `place` lowers, compiles and simulates a strategy, with the
 segments' release points (`release_points`), so that the simulator times the step the runtimes run. The local
 runtime (`local.run_step`) runs the segments in threads, the distributed one a rank per device.
 """
@@ -23,11 +24,13 @@ from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
-from ..lower import JOIN, PART, RUN, Lowered, Task, lower
+from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
 from .oom import Budget, budgets
+
+CODE = (RUN, SHARD)  # tasks whose nodes run as generated code (split parts and joins are interpreted)
 
 
 @dataclass(frozen=True)
@@ -77,14 +80,28 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
                                                   for u in nodes[name].users))
     g = fx.Graph()
     values = {name: g.placeholder(name) for name in inputs}
-    for name in names:
-        values[name] = g.node_copy(nodes[name], lambda a: values[a.name])
-        values[name].kwargs = on_device(values[name].kwargs, device)
+    for t in tasks:
+        local = values
+        if t.kind == SHARD:  # its rows of what it reads with the parameter's shape (`fastt.shard`)
+            shape, (_, k, parts) = nodes[t.head].meta["val"].shape, t.part
+            own, local = set(t.nodes), {}
+            for x in dict.fromkeys(x for name in t.nodes for x in nodes[name].all_input_nodes):
+                val = x.meta.get("val")
+                if x.name not in own and isinstance(val, torch.Tensor) and val.shape == shape:
+                    local[x.name] = g.call_function(rows, (values[x.name], parts, k))
+        for name in t.nodes:
+            values[name] = g.node_copy(nodes[name], lambda a, local=local: local.get(a.name, values[a.name]))
+            values[name].kwargs = on_device(values[name].kwargs, device)
     g.output(tuple(values[name] for name in outputs))
     # AOTAutograd's calling convention: the code takes its inputs as one list and empties it, so an input
     # the caller gave up is freed after its last use inside the code, not when the code returns.
     g.set_codegen(fx.graph._BoxedCodeGen())
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
+
+
+def rows(x: torch.Tensor, parts: int, k: int) -> torch.Tensor:
+    """Part k of x's dim 0 cut into `parts`, as torch.tensor_split cuts it (a sharded update's rows)."""
+    return torch.tensor_split(x, parts)[k]
 
 
 class Writeback(NamedTuple):
@@ -187,7 +204,7 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
             # Gradients are not cut out of a segment for the allreduce: its readers, the updates, come at the
             # end of the backward. A run of updates waits for all its allreduces up front.
             joins = prev is not None and (not foreign[t.op] or gated(t) and gated(prev))
-            if (not joins or t.kind != RUN or prev.kind != RUN or prev.op in handoffs
+            if (not joins or t.kind not in CODE or prev.kind not in CODE or prev.op in handoffs
                     or prev.replica != t.replica):
                 runs.append([])
             runs[-1].append(t)
@@ -198,7 +215,7 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
             # side.
             k = len(waits) * d // len(low.programs)
             waits = tuple(waits[k:] + waits[:k])
-            code = _generate(low, nodes, tasks, targets[d], kept) if tasks[0].kind == RUN else ((), (), None)
+            code = _generate(low, nodes, tasks, targets[d], kept) if tasks[0].kind in CODE else ((), (), None)
             seg = Segment(tasks[0].replica, tuple(tasks), waits, *code)
             segments.append(replace(seg, reads=segment_reads(low, seg, nodes)))
         programs.append(tuple(segments))
