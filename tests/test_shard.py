@@ -3,10 +3,14 @@ of the optimizer state, move what data parallelism moves, and are refused where 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_baselines import mesh, steps
 from test_runtime import one_thread_per_device  # noqa: F401 - fixture
 from test_training import train_both
 
@@ -14,11 +18,14 @@ from fastt import zoo
 from fastt.api import capture, simulate
 from fastt.cluster import cluster
 from fastt.errors import FasttError
-from fastt.graph import STATE, data_parallel_graph
+from fastt.graph import STATE, UPDATE, data_parallel_graph
+from fastt.links import allreduce_bytes
 from fastt.plan import get_planner, graph_for
+from fastt.plan.basic import data_parallel, zero
 from fastt.runtime import parallelize
 from fastt.runtime.reference import batch_like
 from fastt.shard import ALL_GATHER, REDUCE_SCATTER, shard_updates
+from fastt.simulate import simulate_plan
 from fastt.strategy import Strategy
 
 
@@ -140,3 +147,27 @@ def test_the_distributed_runtime_refuses_sharded_updates_in_one_line() -> None:
     with pytest.raises(FasttError, match="only the local runtime runs so far") as e:
         _placed_step(w.model, w.optimizer, g, s, cluster("cpu:2"), None, 1.0)
     assert "\n" not in str(e.value)
+
+
+@settings(max_examples=120, deadline=None)
+@given(g=steps(), n=st.sampled_from([2, 4]))
+def test_random_steps_shard_every_update_hold_a_share_of_the_state_and_halve_each_collective(g, n: int) -> None:
+    """Random training steps (test_baselines.steps, made replicable): `zero` shards every update, its plan
+    validates and simulates, each device holds its part of every state and the rest of DP's residents, and
+    each reduce-scatter carries half its gradient's allreduce bytes (the all-gather the other half)."""
+    g = dataclasses.replace(g, recapture=lambda b, g=g: dataclasses.replace(g, batch=b, recapture=None))
+    cl = mesh(n, bw=1e9, lat=1e-6)
+    dp, z = data_parallel(g, cl), zero(g, cl)
+    updates = {op.name for op in g.ops if op.kind == UPDATE}
+    assert set(z.sharded) == updates
+    gz = graph_for(g, z)
+    z.validate(gz)
+    a, b = simulate_plan(g, dp, cl), simulate_plan(g, z, cl)
+    assert a.fits and b.fits and b.iteration_s > 0
+    states = [op.out_bytes for op in g.ops if op.kind == STATE]
+    for d in range(n):
+        assert a.resident_bytes[d] - b.resident_bytes[d] == sum(s - -(-s // n) for s in states)
+    for op in gz.ops:
+        if op.target == REDUCE_SCATTER:
+            assert allreduce_bytes(op) == max(op.in_bytes) // 2
+    assert sum(op.target == ALL_GATHER for op in gz.ops) == len(updates)

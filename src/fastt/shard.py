@@ -17,16 +17,20 @@ parameter, which lives to the step's end).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+import torch.fx
 
 from .errors import FasttError
 from .graph import ALLREDUCE, PARAM, STATE, UPDATE, Op, OpGraph, base_name, replica_of
 
 REDUCE_SCATTER, ALL_GATHER = "reducescatter", "allgather"  # targets of ALLREDUCE-kind ops
 ROWS = "rows"
+
+_BY_NAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # View ops that keep every element where it is; any other view (reshape, expand, slice) would see the rows'
 # shape, not the parameter's.
@@ -37,10 +41,19 @@ def _param_of(g: OpGraph, op: Op) -> Op | None:
     return next((g.ops[u] for u in op.updates if g.ops[u].kind == PARAM), None)
 
 
-def _shape(g: OpGraph, name: str) -> torch.Size | None:
-    """The shape of fx node `name`'s value in the captured step, if the graph carries its capture."""
+def _nodes(g: OpGraph) -> dict[str, torch.fx.Node]:
+    """The captured step's fx nodes by name (empty for a graph built by hand), looked up once per capture."""
     gm = getattr(g.fx, "gm", None)
-    node = next((n for n in gm.graph.nodes if n.name == name), None) if gm is not None else None
+    if gm is None:
+        return {}
+    if gm not in _BY_NAME:
+        _BY_NAME[gm] = {n.name: n for n in gm.graph.nodes}
+    return _BY_NAME[gm]
+
+
+def _shape(g: OpGraph, op: Op) -> torch.Size | None:
+    """The shape of a resident op's value in the captured step, if the graph carries its capture."""
+    node = _nodes(g).get(op.nodes[0]) if op.nodes else None
     val = node.meta.get("val") if node is not None else None
     return val.shape if isinstance(val, torch.Tensor) else None
 
@@ -50,7 +63,7 @@ def _rows_of(g: OpGraph, resident: Op, param: Op, shape: torch.Size | None) -> b
     step counter)."""
     if shape is None:  # a graph built by hand: by size
         return resident.out_bytes == param.out_bytes
-    return _shape(g, resident.nodes[0]) == shape
+    return _shape(g, resident) == shape
 
 
 def shares(rows: int, parts: int) -> list[float]:
@@ -66,12 +79,11 @@ def shardable(g: OpGraph, i: int, parts: int) -> str:
     param = _param_of(g, op)
     if op.kind != UPDATE or param is None:
         return f"'{op.name}' updates no parameter"
-    gm = getattr(g.fx, "gm", None)
-    if gm is not None:
-        shape = _shape(g, param.nodes[0])
+    nodes = _nodes(g)
+    if nodes:
+        shape = _shape(g, param)
         if shape is None or len(shape) == 0 or shape[0] < parts:
             return f"'{param.name}' has fewer than {parts} rows"
-        nodes = {n.name: n for n in gm.graph.nodes}
         for name in op.nodes:
             n = nodes[name]
             val = n.meta.get("val")
@@ -111,7 +123,7 @@ def shard_updates(g: OpGraph, names: Sequence[str]) -> OpGraph:
         if why:
             raise FasttError(f"cannot shard '{name}': {why}")
         param = _param_of(g, g.ops[idx[0]])
-        shape = _shape(g, param.nodes[0])
+        shape = _shape(g, param)
         share = shares(shape[0], parts) if shape is not None else [1 / parts] * parts
         cut = {u for u in g.ops[idx[0]].updates if _rows_of(g, g.ops[u], param, shape)}
         for i in idx:
