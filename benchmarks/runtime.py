@@ -226,9 +226,11 @@ def render(out: dict, cmd: str) -> str:
     if out.get("memory"):
         ratios = [s / m for r in out["memory"] for m, s in zip(r["measured"], r["simulated"])]
         lines += ["", "## Peak memory per device (cpu:2, test size)", "",
-                  ("Measured in one real step (`fastt.runtime.memory`): a device's residents, what its thread "
-                   "allocates, what it receives and the allreduce means its replicas read, as a GPU would hold them "
-                   "(worker devices share the process's memory, so this is counted, not read off an allocator). "
+                  ("Measured in one real step (`fastt.runtime.memory`): a device's residents, the batch it is "
+                   "given, what its thread allocates, what it receives and the allreduce means its replicas read, "
+                   "as a GPU would hold them (worker devices share the process's memory, so this is counted, not "
+                   "read off an allocator). Under data parallelism the measured peak varies from run to run with "
+                   "how far apart the devices run; the simulator's is the worst case (docs/design.md). "
                    f"Simulated over measured, per device: median **{statistics.median(ratios):.2f}**, from "
                    f"{min(ratios):.2f} to {max(ratios):.2f}; issue 17 asks for 1.00 to 1.25."), "",
                   "| model | planner | plan | measured MB | simulated MB | simulated / measured |",

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from fastt.cluster import Cluster, Device, Link
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, Op, OpGraph, replicate
+from fastt.plan.common import memory_of
 from fastt.report import chrome_trace, write_gantt, write_trace
 from fastt.simulate import Timeline, inter_node_bytes, simulate
 from fastt.strategy import Strategy
@@ -29,12 +30,17 @@ class Builder:
         self.index: dict[str, int] = {}
 
     def add(self, name: str, kind: str = COMPUTE, inputs: dict[str, int] | None = None, out: int = 0,
-            updates: tuple[str, ...] = ()) -> str:
-        inputs = inputs or {}
+            updates: tuple[str, ...] = (), out_parts: tuple[int, ...] = (),
+            keeps: dict[str, tuple[int, ...]] | None = None) -> str:
+        """`out_parts`: the storages of its results (their bytes); `keeps[n]`: the parts of input n it keeps
+        alive (all if not named)."""
+        inputs, keeps = inputs or {}, keeps or {}
         self.index[name] = len(self.ops)
+        in_parts = tuple(keeps.get(n, ()) for n in inputs)
         self.ops.append(Op(name=name, kind=kind, target=kind, inputs=tuple(self.index[n] for n in inputs),
-                           in_bytes=tuple(inputs.values()), out_bytes=out,
-                           updates=tuple(self.index[n] for n in updates)))
+                           in_bytes=tuple(inputs.values()), out_bytes=sum(out_parts) if out_parts else out,
+                           updates=tuple(self.index[n] for n in updates), out_parts=out_parts,
+                           in_parts=in_parts if any(in_parts) else ()))
         return name
 
     def graph(self) -> OpGraph:
@@ -262,11 +268,33 @@ def small_memory_case(mem: int) -> tuple[OpGraph, Timeline]:
 
 def test_exact_peak_memory() -> None:
     _, tl = small_memory_case(mem=1000)
-    # t=0: w 100 + x 10 + a 20 = 130; t=1: b allocates 30 before x (10) is freed → 160.
+    # t=0: w 100 + x 10 + a 20 = 130; t=1: b allocates 30 → 160 (the batch x lives to the step's end, as its
+    # caller holds it); t=2: a (20) is freed before c allocates 5: c starts after b, a's last reader, ended.
     assert tl.peak_memory_bytes == (160,) and tl.fits and tl.oom == ()
     times, level = tl.memory_trace[0]
-    assert list(level) == [100, 110, 130, 160, 150, 155, 135, 105, 100]
-    assert list(times) == [0, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert list(level) == [100, 110, 130, 160, 140, 145, 135, 105, 100]
+    assert list(times) == [0, 0, 0, 1, 2, 2, 3, 3, 3]
+
+
+def test_each_part_of_a_result_is_freed_after_its_own_last_reader() -> None:
+    """A batch norm's output (40 bytes) and its saved statistics (20): the output dies with its last reader y,
+    the statistics live on to z (its backward)."""
+    b = Builder()
+    b.add("w", PARAM, out=100)
+    b.add("x", INPUT, out=10)
+    b.add("bn", inputs={"x": 10, "w": 100}, out_parts=(40, 20))
+    b.add("y", inputs={"bn": 40}, out=30, keeps={"bn": (0,)})
+    b.add("z", inputs={"y": 30, "bn": 20}, out=5, keeps={"bn": (1,)})
+    g = b.graph()
+    s = plan(g, 1, {"x": 0, "bn": 0, "y": 0, "z": 0})
+    tl = simulate(g, s, mesh(1), seconds(g, 1, {"bn": 1, "y": 1, "z": 1}))
+    # t=0: w 100 + x 10 + bn 60 = 170; t=1: y 30 → 200; t=2: bn's output (40) goes before z allocates 5.
+    times, level = tl.memory_trace[0]
+    assert list(level[:7]) == [100, 110, 150, 170, 200, 160, 165] and list(times[:7]) == [0, 0, 0, 0, 1, 2, 2]
+    assert tl.peak_memory_bytes == (200,) and level[-1] == 100
+    whole = OpGraph(ops=tuple(replace(op, out_parts=(), in_parts=()) for op in g.ops))
+    assert simulate(whole, s, mesh(1), seconds(g, 1, {"bn": 1, "y": 1, "z": 1})).peak_memory_bytes == (205,)
+    assert memory_of(g) == [0, 0, 60, 30, 0]  # at y, the peak of a run in order: bn's two parts and y
 
 
 def test_over_the_limit_is_reported_with_device_and_bytes() -> None:
@@ -311,8 +339,12 @@ def random_case(seed: int) -> tuple[OpGraph, Strategy, Cluster, np.ndarray]:
 
     def compute(name: str, dev: int) -> None:
         picks = rng.choice(len(readable), size=min(len(readable), int(rng.integers(1, 4))), replace=False)
+        # Some ops make several storages; a reader keeps some of them alive.
+        keeps = {readable[p]: tuple(sorted(set(rng.integers(0, 3, size=int(rng.integers(1, 3))).tolist())))
+                 for p in picks if b.ops[b.index[readable[p]]].out_parts and rng.random() < 0.7}
         b.add(name, inputs={readable[p]: int(rng.integers(0, 2000)) for p in picks},
-              out=int(rng.integers(0, 1000)) * int(rng.random() < 0.9))
+              out=int(rng.integers(0, 1000)) * int(rng.random() < 0.9), keeps=keeps,
+              out_parts=tuple(int(x) for x in rng.integers(0, 500, size=3)) if rng.random() < 0.3 else ())
         placement[name] = dev
         readable.append(name)
 
@@ -402,6 +434,9 @@ def test_random_dags_respect_every_invariant(seed: int) -> None:
         base = sum(g.ops[r].out_bytes for r in g.residents if d in s.holders[g.ops[r].name])
         assert tl.resident_bytes[d] == base and level.min() >= base >= 0
         assert level[-1] == base and tl.peak_memory_bytes[d] == level.max()
+    # A result's parts, each freed after its own last reader, never hold more than the result freed whole.
+    whole = OpGraph(ops=tuple(replace(op, out_parts=(), in_parts=()) for op in g.ops))
+    assert all(p <= q for p, q in zip(tl.peak_memory_bytes, simulate(whole, s, cl, times).peak_memory_bytes))
     assert tl.iteration_s == max(tl.end.max(initial=0.0), 0.0)
     assert all(tl.iteration_s >= e for e in tl.end)
 

@@ -193,6 +193,26 @@ def _update_bytes(nodes: Sequence[Node], group: dict[Node, str], gname: str) -> 
     return kept, max(0, peak - kept)
 
 
+def _storages(nodes: Sequence[Node]) -> tuple[tuple[int, ...], dict[Node, tuple[int, ...]]]:
+    """The storages a group's results are, when they are several (their bytes, as `Op.out_parts`; () for
+    one), and for each node the parts its value lies on: each element of a tuple result is one part, a view
+    lies on its base's."""
+    sizes: list[int] = []
+    part_of: dict[Node, tuple[int, ...]] = {}
+    for n in nodes:
+        ins = [part_of[a] for a in _arg_nodes(n) if a in part_of]
+        if n.op == "placeholder" or n.target not in ALIAS and n.target is not aten.copy_.default:
+            val = n.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            part_of[n] = tuple(range(len(sizes), len(sizes) + len(vals)))
+            sizes.extend(nbytes(v) for v in vals)
+        elif n.target is operator.getitem and ins and len(ins[0]) > 1:
+            part_of[n] = (ins[0][n.args[1]],)
+        else:  # a view, or a copy into a buffer: on its input's storage
+            part_of[n] = ins[0] if ins else ()
+    return (tuple(sizes) if len(sizes) > 1 else ()), part_of
+
+
 def to_opgraph(step: Step, name: str = "step") -> OpGraph:
     """Coarsen a captured step into an OpGraph (alias ops and per-parameter updates grouped)."""
     group, kind, updates = _assign_groups(step)
@@ -202,6 +222,8 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
             members.setdefault(group[n], []).append(n)
     index: dict[str, int] = {}
     ops: list[Op] = []
+    parts_of: dict[str, dict[Node, tuple[int, ...]]] = {}  # group -> its nodes' parts (`_storages`)
+    loss = next(iter(list(step.gm.graph.nodes)[-1].args[0]))
     for gname, nodes in _topo_groups(members, group):
         k = kind[gname]
         reads: dict[str, dict[Node, int]] = {}
@@ -219,10 +241,15 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                 heaviest = max(heaviest, (f, _compute_dtype(n)))
                 io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
                 shapes.append(_shape_key(n))
-        temp = 0
+        temp, out_parts = 0, ()
         if k == UPDATE:  # the new parameter and state are fresh tensors, the old ones kept to the step's end
             out_bytes, temp = _update_bytes(nodes, group, gname)
+        else:
+            out_parts, part_of = _storages(nodes)
+            parts_of[gname] = part_of
         inputs = tuple(index[g] for g in reads)
+        in_parts = tuple(tuple(sorted({p for a in r for p in parts_of[g].get(a, ())}))
+                         if ops[index[g]].out_parts else () for g, r in reads.items())
         batch = k not in (UPDATE,) and (k == INPUT or any(ops[j].batch for j in inputs))
         updated = tuple(sorted(index[u] for u in updates.get(gname, ())))
         sig = hashlib.sha1("|".join(shapes).encode()).hexdigest()[:16] if shapes else ""
@@ -239,7 +266,9 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                       in_bytes=tuple(sum(r.values()) for r in reads.values()), out_bytes=out_bytes,
                       flops=flops, io_bytes=io, nodes=tuple(n.name for n in nodes), updates=updated,
                       batch=batch, signature=sig, head=head.name if head.op == "call_function" else "",
-                      arg_inputs=arg_inputs, temp_bytes=temp, dtype=heaviest[1] if heaviest[0] else ""))
+                      arg_inputs=arg_inputs, temp_bytes=temp, dtype=heaviest[1] if heaviest[0] else "",
+                      out_parts=out_parts, in_parts=in_parts if any(in_parts) else (),
+                      returned=(parts_of[gname][loss] or (0,)) if loss in nodes else ()))
     return OpGraph(ops=tuple(ops), name=name, batch=step.batch, fx=step,
                    fx_nodes=sum(1 for n in step.gm.graph.nodes if n.op != "output"))
 

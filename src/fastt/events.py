@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from fastt.cluster import Cluster
 from fastt.errors import FasttError
-from fastt.graph import ALLREDUCE, RESIDENT, OpGraph
+from fastt.graph import ALLREDUCE, RESIDENT, OpGraph, kept_parts
 from fastt.links import Collective, Links, Routes, Transfer, allreduce_bytes, half, route_tables
 from fastt.strategy import Strategy
 
@@ -34,10 +34,19 @@ class Fanout(NamedTuple):
 
 
 class Readers(NamedTuple):
-    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`."""
+    """Who reads which copy, for memory: `copies[k]` (op * devices + device) is read by op `ops[k]`, which
+    keeps part `parts[k]` of it alive (`graph.kept_parts`: one record per part it keeps)."""
 
     copies: list[int]
     ops: list[int]
+    parts: list[int]
+
+    def add(self, g: OpGraph, key: int, i: int, j: int) -> None:
+        """Op i reads op j's copy `key`."""
+        for p in kept_parts(g, i, j):
+            self.copies.append(key)
+            self.ops.append(i)
+            self.parts.append(p)
 
 
 @dataclass
@@ -146,7 +155,7 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
     ar_cons: list[list[int]] = [[] for _ in g.ops]
     ar_need: dict[int, int] = {}
     edges: dict[int, list] = {}
-    readers = Readers([], [])
+    readers = Readers([], [], [])
     for i, op in enumerate(g.ops):
         ins = op.inputs
         pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
@@ -154,16 +163,14 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
             ar_need[i] = len(set(ins))
             for j, _ in pairs:
                 ar_cons[j].append(i)
-                readers.copies.append(j * nd + dev[j])
-                readers.ops.append(i)
+                readers.add(g, j * nd + dev[j], i, j)
             continue
         d = dev[i]
         for j, b in pairs:
             if d in held[j] and g.ops[j].kind in RESIDENT:
                 continue  # a resident already on this device
             key = j * nd + d
-            readers.copies.append(key)
-            readers.ops.append(i)
+            readers.add(g, key, i, j)
             need[i] += 1
             e = edges.get(key)
             if e is None:

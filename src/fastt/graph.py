@@ -50,6 +50,9 @@ class Op:
     split: tuple[str, int, int] | tuple[()] = ()  # (dim name, part index, parts) for a part of a split op
     temp_bytes: int = 0  # what it allocates beyond its results while it runs (an update's temporaries)
     dtype: str = ""
+    out_parts: tuple[int, ...] = ()  # bytes of each storage of its results, when they are several
+    in_parts: tuple[tuple[int, ...], ...] = ()  # per input: the parts of it this op keeps alive (() all)
+    returned: tuple[int, ...] = ()  # the parts the step returns (its loss): they live to the step's end
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ class OpGraph:
 
     def __post_init__(self) -> None:
         for i, op in enumerate(self.ops):
-            if len(op.inputs) != len(op.in_bytes):
-                raise ValueError(f"op {op.name}: inputs and in_bytes differ in length")
+            if len(op.inputs) != len(op.in_bytes) or op.in_parts and len(op.in_parts) != len(op.inputs):
+                raise ValueError(f"op {op.name}: inputs, in_bytes and in_parts differ in length")
+            if op.out_parts and sum(op.out_parts) != op.out_bytes:
+                raise ValueError(f"op {op.name}: out_parts do not add up to out_bytes")
             for j in op.inputs:
                 if not 0 <= j < i:
                     raise ValueError(f"op {op.name} reads op #{j}: ops must be in topological order")
@@ -118,6 +123,23 @@ class OpGraph:
             kinds[op.kind] = kinds.get(op.kind, 0) + 1
         return {"ops": len(self.ops), "edges": sum(len(op.inputs) for op in self.ops),
                 "flops": sum(op.flops for op in self.ops), "resident_bytes": self.resident_bytes(), **kinds}
+
+
+def parts(op: Op) -> tuple[int, ...]:
+    """Bytes of each storage of an op's results (`Op.out_parts`, or one storage of `out_bytes`)."""
+    return op.out_parts or (op.out_bytes,)
+
+
+def kept_parts(g: OpGraph, i: int, j: int) -> tuple[int, ...]:
+    """The parts of op j's results that op i keeps alive by reading them (all, unless its `in_parts` say)."""
+    n = len(g.ops[j].out_parts)
+    if n < 2:
+        return (0,)
+    op = g.ops[i]
+    if not op.in_parts:
+        return tuple(range(n))
+    kept = {p for k, src in enumerate(op.inputs) if src == j for p in op.in_parts[k] or range(n)}
+    return tuple(sorted(kept))
 
 
 def chain_lengths(graph: OpGraph, weight: Sequence[float]) -> list[float]:
@@ -221,17 +243,21 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
         if op.kind == UPDATE:
             # One allreduce per (gradient producer, update): a producer may feed several gradients. What an
             # update reads from another (a gradient clip's coefficient) is the same in every replica already.
-            for j, nbytes in zip(op.inputs, op.in_bytes):
+            for j, nbytes, kept in zip(op.inputs, op.in_bytes, op.in_parts or [()] * len(op.inputs)):
                 if sub.ops[j].kind not in RESIDENT and sub.ops[j].kind != UPDATE:
                     g = sub.ops[j]
                     reduced[j, i] = emit(Op(name=f"allreduce/{g.name}->{op.name}", kind=ALLREDUCE,
                                             target="allreduce",
                                          inputs=tuple(where[j, k] for k in range(n)),
-                                         in_bytes=(nbytes,) * n, out_bytes=nbytes, io_bytes=2 * nbytes))
+                                         in_bytes=(nbytes,) * n, out_bytes=nbytes, io_bytes=2 * nbytes,
+                                         in_parts=(kept,) * n if kept else ()))
         for k in range(n):
             inputs = tuple(reduced.get((j, i), where[j, k]) for j in op.inputs)
             updates = tuple(where[u, k] for u in op.updates)
-            where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates))
+            # an allreduce's result is one storage: the parts named of the gradient's producer are not its
+            in_parts = tuple(() if (j, i) in reduced else p for j, p in zip(op.inputs, op.in_parts))
+            where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates,
+                                       in_parts=in_parts))
     # fx stays: replicated ops keep their head node, whose shapes (at batch/n) split rules read.
     return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n, fx=sub.fx)
 

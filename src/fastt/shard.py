@@ -134,8 +134,10 @@ def shard_updates(g: OpGraph, names: Sequence[str]) -> OpGraph:
                     a = g.ops[j]
                     ops[j] = replace(a, target=REDUCE_SCATTER, out_bytes=round(a.out_bytes * max(share)))
                     cut.add(j)
+            out_parts = tuple(round(b * s) for b in op.out_parts)
             ops[i] = replace(op, split=(ROWS, k, parts), flops=op.flops * s, io_bytes=round(op.io_bytes * s),
-                             out_bytes=round(op.out_bytes * s), temp_bytes=round(op.temp_bytes * s),
+                             out_bytes=sum(out_parts) if out_parts else round(op.out_bytes * s),
+                             out_parts=out_parts, temp_bytes=round(op.temp_bytes * s),
                              in_bytes=tuple(round(b * s) if j in cut else b
                                             for j, b in zip(op.inputs, op.in_bytes)))
         by_replica = sorted(idx, key=lambda i: replica_of(g.ops[i].name))

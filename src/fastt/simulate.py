@@ -15,11 +15,16 @@ The model, in full:
   links are free, as a ring or a gather (`Cluster.gather`); allreduces of one group that become ready at the
   same moment run as one (their bytes fused, one latency), as the distributed runtime's collectives do; the
   result is then on every device of the group;
-- memory per device starts at its resident set; an op allocates its output when it starts (INPUT data at t=0),
-  a transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; a copy is
-  freed when its last reader there (a local op, an outgoing transfer, an allreduce) has finished; an optimizer
-  update's results (the new parameter and state, fresh tensors) live to the end of the step and its
-  temporaries while it runs. At equal times allocations count before frees, so the peak is conservative.
+- memory per device starts at its resident set; an op allocates its results when it starts (the batch at t=0),
+  a transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; each
+  storage of an op's results (`Op.out_parts`: batch norm's output and saved statistics are two) is freed when
+  the last reader there that keeps it (a local op, an outgoing transfer, an allreduce) has finished; what a
+  device is given (a received copy, an allreduce's result) when the segment of its last reader there ends
+  (`release`: the local runtime drops a device's claim then at the latest); the batch (its caller holds it),
+  the loss (`Op.returned`) and an optimizer update's results (the new parameter and state, fresh tensors) live
+  to the end of the step, an update's temporaries while it runs. At equal times a free counts before an
+  allocation (what starts at t on a device starts after what ended there at t), unless it frees what was
+  allocated at t.
 
 Three modules share the work: `events` flattens graph, strategy and cluster into lists (`prepare`) and runs
 the event loop over them (`run_events`); `links` times transfers and collectives on the links; this module
@@ -41,7 +46,7 @@ from fastt.cluster import Cluster
 from fastt.cost import MeasuredCosts, op_times
 from fastt.errors import FasttError
 from fastt.events import EventPlan, prepare, run_events
-from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths
+from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths, parts
 from fastt.links import Collective, Transfer
 from fastt.shard import ALL_GATHER, sharded_residents
 from fastt.split import graph_for, splittable
@@ -79,8 +84,9 @@ class Timeline:
 
     @property
     def tight(self) -> tuple[int, ...]:
-        """The devices a plan that fits fills past 90% of their memory: the simulator's peak is measured to
-        err by a few percent either way (docs/design.md), so such a plan may still run out."""
+        """The devices a plan that fits fills past 90% of their memory: the simulator's peak is checked
+        against what CPU worker devices hold (docs/design.md), not against a GPU's caching allocator, so such
+        a plan may still run out."""
         return tuple(d for d, (p, cap) in enumerate(zip(self.peak_memory_bytes, self.memory_limit_bytes))
                      if self.fits and p > TIGHT * cap)
 
@@ -153,12 +159,12 @@ def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, l
     for r, hs in plan.holders.items():
         for h in hs:
             base[h] += g.ops[r].out_bytes
-    for r, parts in rows.items():  # a sharded update's state: each part's device holds its rows only
+    for r, cut in rows.items():  # a sharded update's state: each part's device holds its rows only
         for h in plan.holders[r]:
             base[h] -= g.ops[r].out_bytes
         for i in g.succs[r]:
             if g.ops[i].split and g.ops[i].kind == UPDATE:
-                base[plan.dev[i]] += -(-g.ops[r].out_bytes // parts)
+                base[plan.dev[i]] += -(-g.ops[r].out_bytes // cut)
     peak, trace = _memory(g, plan, start_a, end_a, transfers, collectives, base)
     limit = tuple(dv.memory_bytes for dv in cluster.devices)
     oom = tuple(f"device {d} ({cluster.devices[d].name}) needs {human_bytes(peak[d])}, "
@@ -199,50 +205,95 @@ def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transf
     cols = list(zip(*transfers)) or [()] * 6
     t_op, t_src, t_dst, t_bytes = (np.array(cols[k], dtype=np.int64) for k in range(4))
     t_start, t_end = (np.array(cols[k], dtype=float) for k in (4, 5))
-    # When each copy (op, device) is last read: by a local op, an allreduce, or an outgoing transfer.
-    keys = np.concatenate([np.array(p.readers.copies, dtype=np.int64), t_op * nd + t_src])
-    ends = np.concatenate([end[np.array(p.readers.ops, dtype=np.int64)], t_end])
-    uniq, inv = np.unique(keys, return_inverse=True)
-    last = np.zeros(len(uniq))
-    np.maximum.at(last, inv, ends)
-
-    def last_read(k: np.ndarray) -> np.ndarray:
-        at = np.minimum(np.searchsorted(uniq, k), max(len(uniq) - 1, 0))
-        return np.where(uniq[at] == k, last[at], 0.0) if len(uniq) else np.zeros(len(k))
-
+    n_parts, part_bytes, w = _parts(g)
+    last_read, given = _last_reads(p, end, n_parts, w, nd, t_op * nd + t_src, t_end)
+    first = np.concatenate([[0], np.cumsum(n_parts)])
     dev = np.array(p.dev, dtype=np.int64)
     out = np.array([op.out_bytes for op in g.ops], dtype=np.int64)
     placed = np.flatnonzero((dev >= 0) & (out > 0))
-    is_input = np.array([g.ops[i].kind == INPUT for i in placed], dtype=bool)
+    # A placed op's copy, one entry per part.
+    of = np.repeat(placed, n_parts[placed])
+    k_of = _each_part(n_parts[placed])
+    kind = np.array([op.kind for op in g.ops])[of]
     ar = [(a, d) for c in collectives for a in c.ops for d in c.group if out[a] > 0]
     ar_op, ar_dev = (np.array([x[k] for x in ar], dtype=np.int64) for k in range(2))
-    # Every copy is freed whole after its last reader; an update's results (the step's new parameter and
-    # state) live to the step's end.
-    d_all = np.concatenate([dev[placed], ar_dev, t_dst])
-    size = np.concatenate([out[placed], out[ar_op], t_bytes])
-    copies = np.concatenate([placed * nd + dev[placed], ar_op * nd + ar_dev, t_op * nd + t_dst])
-    t_free = np.maximum(np.concatenate([end[placed], end[ar_op], t_end]), last_read(copies))
-    t_free[:len(placed)][[g.ops[i].kind == UPDATE for i in placed]] = end.max(initial=0.0)
+    # Every part of a copy is freed after its last reader there, what a device is given when it is no longer
+    # held there; an update's results (the step's new parameter and state), the loss and the batch (its
+    # caller holds it) live to the step's end.
+    d_all = np.concatenate([dev[of], ar_dev, t_dst])
+    size = np.concatenate([part_bytes[first[of] + k_of], out[ar_op], t_bytes])
+    t_free = np.maximum(np.concatenate([end[of], end[ar_op], t_end]), np.concatenate([
+        last_read((of * nd + dev[of]) * w + k_of), given(ar_op * nd + ar_dev), given(t_op * nd + t_dst)]))
+    returned = np.zeros(len(part_bytes), dtype=bool)
+    for i in (i for i, op in enumerate(g.ops) if op.returned):
+        returned[first[i] + np.array(g.ops[i].returned)] = True
+    t_free[:len(of)][(kind == UPDATE) | (kind == INPUT) | returned[first[of] + k_of]] = end.max(initial=0.0)
     # so does a sharded update's gathered new parameter
-    gathered = len(placed) + np.flatnonzero([g.ops[a].target == ALL_GATHER for a in ar_op])
-    t_free[gathered] = end.max(initial=0.0)
+    t_free[len(of) + np.flatnonzero([g.ops[a].target == ALL_GATHER for a in ar_op])] = end.max(initial=0.0)
+    t_alloc = np.concatenate([np.where(kind == INPUT, 0.0, start[of]), start[ar_op], t_start])
+    # At equal times a free comes first (what starts at t starts after what ended at t: a device runs its ops
+    # one after another), unless it frees what was allocated at t (an op that takes no time).
+    rank = np.concatenate([np.ones(len(t_alloc)), np.where(t_free > t_alloc, 0.0, 2.0)])
     d_all, size = np.concatenate([d_all, d_all]), np.concatenate([size, -size])
-    times = np.concatenate([np.where(is_input, 0.0, start[placed]), start[ar_op], t_start, t_free])
+    times = np.concatenate([t_alloc, t_free])
     # An update's temporaries live while it runs.
     temp = np.array([g.ops[i].temp_bytes for i in range(len(g.ops))], dtype=np.int64)
     hot = np.flatnonzero((dev >= 0) & (temp > 0))
     d_all = np.concatenate([d_all, dev[hot], dev[hot]])
     size = np.concatenate([size, temp[hot], -temp[hot]])
     times = np.concatenate([times, start[hot], end[hot]])
+    rank = np.concatenate([rank, np.ones(len(hot)), np.where(end[hot] > start[hot], 0.0, 2.0)])
     peak, trace = [], []
     for d in range(nd):
         m = d_all == d
         at, delta = times[m], size[m]
-        o = np.lexsort((delta < 0, at))  # allocations before frees at equal times
+        o = np.lexsort((rank[m], at))
         level = base[d] + np.cumsum(delta[o])
         trace.append((np.concatenate([[0.0], at[o]]), np.concatenate([[base[d]], level])))
         peak.append(int(max(base[d], level.max(initial=0))))
     return tuple(peak), tuple(trace)
+
+
+def _parts(g: OpGraph) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each op's results as storages (`Op.out_parts`): how many per op, their bytes in op order, and the most
+    any op has (part k of copy c is key c * that + k)."""
+    sizes = [parts(op) for op in g.ops]
+    n = np.array([len(x) for x in sizes], dtype=np.int64)
+    return n, np.array([b for x in sizes for b in x], dtype=np.int64), int(n.max(initial=1))
+
+
+def _last_reads(p: EventPlan, end: np.ndarray, n_parts: np.ndarray, w: int, nd: int, sent: np.ndarray,
+                t_end: np.ndarray) -> tuple:
+    """When each part of a copy (op, device) is last read there, by a local op or an allreduce keeping it or
+    by an outgoing transfer (copy `sent`, every part), and when a copy a device is given is last held there:
+    the runtimes drop a device's claim on a value it received or an allreduce's result when the segment that
+    last reads it there ends (`release`), if no other device's claim keeps it longer (which comes first
+    depends on how far apart the devices run)."""
+    op_of = sent // nd
+    r_copy, r_part, r_op = (np.array(x, dtype=np.int64) for x in (p.readers.copies, p.readers.parts,
+                                                                   p.readers.ops))
+    per_part = n_parts[op_of]
+    keys = np.concatenate([r_copy * w + r_part, np.repeat(sent * w, per_part) + _each_part(per_part)])
+    sends = np.repeat(t_end, per_part)
+    held = np.concatenate([end[np.array(p.release, dtype=np.int64)[r_op]], sends])
+    return _lookup(keys, np.concatenate([end[r_op], sends])), _lookup(keys // w, held)
+
+
+def _each_part(n: np.ndarray) -> np.ndarray:
+    """0, 1, ..., n[k] - 1 for each k, concatenated: the part numbers of copies with n[k] parts."""
+    return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+
+
+def _lookup(keys: np.ndarray, ends: np.ndarray):
+    """key -> the latest of `ends` recorded for it (0 for a key never read), as a vectorised function."""
+    uniq, inv = np.unique(keys, return_inverse=True)
+    last = np.zeros(len(uniq))
+    np.maximum.at(last, inv, ends)
+
+    def latest(k: np.ndarray) -> np.ndarray:
+        at = np.minimum(np.searchsorted(uniq, k), max(len(uniq) - 1, 0))
+        return np.where(uniq[at] == k, last[at], 0.0) if len(uniq) else np.zeros(len(k))
+    return latest
 
 
 def _critical_path(g: OpGraph, end: list[float], crit: list[int]) -> tuple[str, ...]:

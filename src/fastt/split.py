@@ -457,12 +457,13 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     lay = _layout(graph, o, dim, parts)
     subs = tuple(replace(o, name=f"{op}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
                          flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,),
-                         signature="", split=(dim, k, parts)) for k in range(parts))
+                         signature="", split=(dim, k, parts), out_parts=(), returned=())
+                 for k in range(parts))  # a part's results are one storage; the join makes the op's
     kinds = {h[0] for h in spec.outs}
     join_op = Op(name=f"{op}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
                  inputs=tuple(range(at, at + parts)), in_bytes=lay.out_bytes, out_bytes=o.out_bytes,
                  io_bytes=sum(lay.out_bytes) + o.out_bytes, nodes=tuple(n for n in o.nodes if n != o.head),
-                 batch=o.batch)
+                 batch=o.batch, out_parts=o.out_parts, returned=o.returned)
     rest = tuple(_shifted(x, at, parts) for x in graph.ops[at + 1:])
     return OpGraph(ops=graph.ops[:at] + subs + (join_op,) + rest, name=graph.name, batch=graph.batch,
                    fx=graph.fx, replicas=graph.replicas, fx_nodes=graph.fx_nodes)

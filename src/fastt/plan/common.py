@@ -10,7 +10,7 @@ import numpy as np
 
 from ..cluster import Cluster
 from ..cost import MeasuredCosts, op_times
-from ..graph import ALLREDUCE, RESIDENT, UPDATE, OpGraph, duplicate_updates
+from ..graph import ALLREDUCE, RESIDENT, UPDATE, OpGraph, duplicate_updates, kept_parts, parts
 from ..strategy import Strategy
 
 _PROBE = float(2**30)  # bytes of the transfer the per-byte slope is read off
@@ -64,9 +64,9 @@ def plan_costs(g: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = No
 
 
 def memory_of(g: OpGraph) -> list[int]:
-    """Bytes each op is charged on its device when planning: its output if that output is live at the peak of
-    a run in graph order, else 0. Residents (params, state, buffers) are charged by the planners where they
-    live.
+    """Bytes each op is charged on its device when planning: those of its results (each part, `Op.out_parts`,
+    on its own) that are live at the peak of a run in graph order. Residents (params, state, buffers) are
+    charged by the planners where they live.
 
     Charging every output for the whole step (Baechi's static model) counts each backward temporary as if it
     lived forever and overstates a training step's memory several times over; charging the outputs live at the
@@ -74,23 +74,28 @@ def memory_of(g: OpGraph) -> list[int]:
     simulator measures the real peak of every plan).
     """
     n = len(g.ops)
-    last = list(range(n))
+    sizes = [parts(op) for op in g.ops]
+    last = [[i] * len(x) for i, x in enumerate(sizes)]  # per op and part, its last reader
     for i, op in enumerate(g.ops):
-        for j in op.inputs:
-            last[j] = max(last[j], i)
+        for j in dict.fromkeys(op.inputs):
+            for p in kept_parts(g, i, j):
+                last[j][p] = max(last[j][p], i)
         if op.kind == UPDATE:  # its results, the new parameter and state, are the step's
-            last[i] = n - 1
-    frees: list[list[int]] = [[] for _ in range(n)]
+            last[i] = [n - 1]
+        for p in op.returned:  # the loss
+            last[i][p] = n - 1
+    frees: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for i in range(n):
-        frees[last[i]].append(i)
+        for p, at in enumerate(last[i]):
+            frees[at].append((i, p))
     live, peak, at = 0, -1, 0
     for i, op in enumerate(g.ops):
         if op.kind not in RESIDENT:
             live += op.out_bytes
         if live > peak:
             peak, at = live, i
-        live -= sum(g.ops[j].out_bytes for j in frees[i] if g.ops[j].kind not in RESIDENT)
-    return [op.out_bytes if op.kind not in RESIDENT and i <= at <= last[i] else 0
+        live -= sum(sizes[j][p] for j, p in frees[i] if g.ops[j].kind not in RESIDENT)
+    return [sum(b for b, end in zip(sizes[i], last[i]) if i <= at <= end) if op.kind not in RESIDENT else 0
             for i, op in enumerate(g.ops)]
 
 

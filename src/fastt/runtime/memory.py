@@ -1,7 +1,8 @@
 """Measured memory: the peak bytes each device of a placed step really holds, to check the simulator's.
 
 Worker devices share the process's memory, so a device's memory is counted the way a GPU would hold it: the
-residents the plan gives it (its parameters, optimizer state and buffers), and the storage its thread
+residents the plan gives it (its parameters, optimizer state and buffers), the batch its ops are given (the
+caller's tensors, held for the whole step), and the storage its thread
 allocates while the step runs, from the moment an op makes a tensor until the last tensor viewing that
 storage is gone (`StorageMeter`, a dispatch mode on the device's thread, sees every aten op's results). Values
 handed to another device are not copied on CPU, so they count on the device that made them for as long as
@@ -14,19 +15,20 @@ from collections.abc import Sequence
 
 import torch
 
-from ..graph import RESIDENT
+from ..graph import INPUT, RESIDENT
 from .meter import StorageMeter
 from .step import ParallelStep
 from .trial import restored
 
 
-def resident_bytes(step: ParallelStep) -> list[int]:
-    """Bytes of the residents each device holds under the step's plan."""
-    g, held = step.lowered.graph, [0] * step.strategy.n_devices
+def held_bytes(step: ParallelStep) -> list[int]:
+    """Bytes of the residents each device holds under the step's plan, and of the batch it is given."""
+    g, s, held = step.lowered.graph, step.strategy, [0] * step.strategy.n_devices
     for op in g.ops:
-        if op.kind in RESIDENT:
-            for d in step.strategy.holders.get(op.name, ()):
-                held[d] += op.out_bytes
+        for d in s.holders.get(op.name, ()) if op.kind in RESIDENT else ():
+            held[d] += op.out_bytes
+        if op.kind == INPUT and op.name in s.placement:
+            held[s.placement[op.name]] += op.out_bytes
     return held
 
 
@@ -40,4 +42,4 @@ def measured_peaks(step: ParallelStep, batch: Sequence[torch.Tensor]) -> list[in
             step(*batch)
         finally:
             step.meter = None
-    return [held + peak for held, peak in zip(resident_bytes(step), meter.peak)]
+    return [held + peak for held, peak in zip(held_bytes(step), meter.peak)]
