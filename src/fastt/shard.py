@@ -18,7 +18,7 @@ parameter, which lives to the step's end).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -146,6 +146,23 @@ def shard_updates(g: OpGraph, names: Sequence[str]) -> OpGraph:
                           in_bytes=tuple(round(param.out_bytes * share[k]) for k in range(parts)),
                           out_bytes=param.out_bytes, io_bytes=2 * param.out_bytes))
     return replace(g, ops=tuple(ops) + tuple(gathers))
+
+
+def held(g: OpGraph, holders: Mapping[int, Sequence[int]], device_of: Sequence[int], n: int) -> list[int]:
+    """Bytes of the residents each of `n` devices holds across steps: every holder of a resident (`holders`,
+    by op index) its copy, except the state of a sharded update, of which each part's device (`device_of`, by
+    op index) holds its rows."""
+    out = [0] * n
+    for r, hs in holders.items():
+        for h in hs:
+            out[h] += g.ops[r].out_bytes
+    for r, cut in sharded_residents(g).items():
+        for h in holders[r]:
+            out[h] -= g.ops[r].out_bytes
+        for i in g.succs[r]:
+            if g.ops[i].split and g.ops[i].kind == UPDATE:
+                out[device_of[i]] += -(-g.ops[r].out_bytes // cut)
+    return out
 
 
 def sharded_residents(g: OpGraph) -> dict[int, int]:

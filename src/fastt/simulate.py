@@ -48,7 +48,7 @@ from fastt.errors import FasttError
 from fastt.events import EventPlan, prepare, run_events
 from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths, parts
 from fastt.links import Collective, Transfer
-from fastt.shard import ALL_GATHER, sharded_residents
+from fastt.shard import ALL_GATHER, held
 from fastt.split import graph_for, splittable
 from fastt.strategy import Strategy
 
@@ -154,17 +154,7 @@ def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, l
     start, end, crit, transfers, collectives = run_events(g, plan, dur)
     start_a, end_a = np.array(start), np.array(end)
     dev = np.array(plan.dev, dtype=np.int64)
-    base = [0] * nd
-    rows = sharded_residents(g)
-    for r, hs in plan.holders.items():
-        for h in hs:
-            base[h] += g.ops[r].out_bytes
-    for r, cut in rows.items():  # a sharded update's state: each part's device holds its rows only
-        for h in plan.holders[r]:
-            base[h] -= g.ops[r].out_bytes
-        for i in g.succs[r]:
-            if g.ops[i].split and g.ops[i].kind == UPDATE:
-                base[plan.dev[i]] += -(-g.ops[r].out_bytes // cut)
+    base = held(g, plan.holders, plan.dev, nd)
     peak, trace = _memory(g, plan, start_a, end_a, transfers, collectives, base)
     limit = tuple(dv.memory_bytes for dv in cluster.devices)
     oom = tuple(f"device {d} ({cluster.devices[d].name}) needs {human_bytes(peak[d])}, "

@@ -15,21 +15,23 @@ from collections.abc import Sequence
 
 import torch
 
-from ..graph import INPUT, RESIDENT
+from ..graph import INPUT
+from ..shard import held
 from .meter import StorageMeter
 from .step import ParallelStep
 from .trial import restored
 
 
 def held_bytes(step: ParallelStep) -> list[int]:
-    """Bytes of the residents each device holds under the step's plan, and of the batch it is given."""
-    g, s, held = step.lowered.graph, step.strategy, [0] * step.strategy.n_devices
+    """Bytes of the residents each device holds under the step's plan (`shard.held`: a sharded update's
+    state only its rows), and of the batch it is given."""
+    g, s = step.lowered.graph, step.strategy
+    out = held(g, {g.index[name]: devs for name, devs in s.holders.items()},
+               [s.placement.get(op.name, -1) for op in g.ops], s.n_devices)
     for op in g.ops:
-        for d in s.holders.get(op.name, ()) if op.kind in RESIDENT else ():
-            held[d] += op.out_bytes
         if op.kind == INPUT and op.name in s.placement:
-            held[s.placement[op.name]] += op.out_bytes
-    return held
+            out[s.placement[op.name]] += op.out_bytes
+    return out
 
 
 def measured_peaks(step: ParallelStep, batch: Sequence[torch.Tensor]) -> list[int]:
