@@ -89,6 +89,8 @@ CASES = [
     # simulated peak is the runtime's worst case, whichever device runs ahead.
     ("alexnet", "dp", None), ("mlp", "dp", None), ("dlrm", "dp", None),
     ("mlp", "split", _split_linears),
+    # sharded updates: each device holds and makes only its rows of the state, keeps its rows of the mean
+    ("mlp", "zero", None), ("transformer", "zero", None),
 ]
 
 

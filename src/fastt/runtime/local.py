@@ -38,7 +38,7 @@ from ..lower import JOIN, PART, SHARD, Lowered, Task
 from ..split import join, rule, run_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
-from .programs import Programs, Segment, on_device
+from .programs import Programs, Segment, on_device, scattered
 
 
 class StepError(RuntimeError):
@@ -74,6 +74,9 @@ class _Run:
         # still be reading it, so every value lives until the step has synchronized).
         self.left = None if self.cuda else dict(programs.readers)
         self.carriers = Counter(name for names in low.allreduces.values() for name in names)
+        self.scattered: Counter[int] = Counter()  # reduce-scatter -> replicas that have their rows
+        rows = scattered(low)  # reduce-scatters whose replicas compute their own rows
+        self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= rows}
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
@@ -123,23 +126,57 @@ class _Run:
                 self.streams[d].wait_event(event)
         return True
 
-    def wait_all(self, ops: Sequence[int], d: int, chunk: int = 16) -> bool:
-        """Wait for every op of `ops`. Allreduces no device has started are claimed and computed here: the
-        next one, with those of the following `chunk` whose gradients are all there already (one batch). A
-        device never holds a claim on an allreduce while it waits for another one's gradients: no deadlock."""
+    def wait_all(self, ops: Sequence[int], d: int, replica: int, chunk: int = 16) -> bool:
+        """Wait for every op of `ops` (what replica `replica`'s segment on device d reads). Allreduces no
+        device has started are claimed and computed here: the next one, with those of the following `chunk`
+        whose gradients are all there already (one batch). A device never holds a claim on an allreduce while
+        it waits for another one's gradients: no deadlock. Of a reduce-scatter, the replica computes its own
+        rows (`scatter`)."""
+        ops_ = self.low.graph.ops
         for k, a in enumerate(ops):
             if a not in self.low.allreduces:
+                continue
+            if a in self.scatters:
+                if not self.scatter(a, replica, d):
+                    return False
                 continue
             with self.lock:
                 if a in self.claimed:
                     continue
                 ready = [b for b in ops[k:k + chunk] if b in self.low.allreduces and b not in self.claimed
-                         and all(self.events[j].is_set() for j in self.low.graph.ops[b].inputs)]
+                         and b not in self.scatters
+                         and all(self.events[j].is_set() for j in ops_[b].inputs)]
                 batch = ready if a in ready else [a]
                 self.claimed.update(batch)
             if not self.allreduce(batch, d):
                 return False
-        return all(self.wait(j, d) for j in ops)
+        return all(self.wait(j, d) for j in ops if j not in self.scatters)
+
+    def scatter(self, a: int, k: int, d: int) -> bool:
+        """Replica k's rows of reduce-scatter `a`'s mean, on device d: every replica's rows of the gradient
+        summed in replica order (as the whole mean sums them), so that each device makes, and holds, only
+        its rows. The replicas' own gradients are kept aside until every replica has its rows."""
+        if not all(self.wait(j, d) for j in self.low.graph.ops[a].inputs):
+            return False
+        names, r = self.low.allreduces[a], len(self.envs)
+        with self.lock:
+            for name in names:
+                self.raw.setdefault(name, [env[name] for env in self.envs])
+        grads = [[torch.tensor_split(self.get(j, name, d, self.raw[name][j]), r)[k] for name in names]
+                 for j in range(r)]
+        self.envs[k].update(zip(names, replica_mean(grads)))
+        with self.lock:
+            self.scattered[a] += 1
+            done = self.scattered[a] == r
+            for name in names if done else ():
+                self.carriers[name] -= 1
+                if not self.carriers[name]:
+                    del self.raw[name]
+        for j in range(r) if done else ():
+            self.release(j, names)
+        if self.cuda:
+            self.held += grads
+        return True
 
     def finished(self, ops: Sequence[int], d: int) -> None:
         signals = [op for op in ops if op in self.events]
@@ -326,7 +363,7 @@ class _Run:
             torch.cuda.set_stream(self.streams[d])
         for seg in self.programs.devices[d]:
             try:
-                ready = self.wait_all(seg.waits, d)
+                ready = self.wait_all(seg.waits, d, seg.replica)
             except BaseException as e:  # noqa: BLE001 - an allreduce this device computed: stop every device
                 self.fail(f"allreduce before {seg.tasks[0].name}", d, e)
                 return

@@ -25,6 +25,7 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower
+from ..shard import REDUCE_SCATTER
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
@@ -80,11 +81,13 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
                                                   for u in nodes[name].users))
     g = fx.Graph()
     values = {name: g.placeholder(name) for name in inputs}
+    given = scattered(low) if any(t.kind == SHARD for t in tasks) else set()
     for t in tasks:
         local = values
-        if t.kind == SHARD:  # its rows of what it reads with the parameter's shape (`fastt.shard`)
+        if t.kind == SHARD:  # its rows of what it reads with the parameter's shape (`fastt.shard`); the
+            # reduce-scatter hands it only its rows of the mean already
             shape, (_, k, parts) = nodes[t.head].meta["val"].shape, t.part
-            own, local = set(t.nodes), {}
+            own, local = set(t.nodes) | given, {}
             for x in dict.fromkeys(x for name in t.nodes for x in nodes[name].all_input_nodes):
                 val = x.meta.get("val")
                 if x.name not in own and isinstance(val, torch.Tensor) and val.shape == shape:
@@ -97,6 +100,16 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
     # the caller gave up is freed after its last use inside the code, not when the code returns.
     g.set_codegen(fx.graph._BoxedCodeGen())
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
+
+
+def scattered(low: Lowered) -> set[str]:
+    """The gradients a reduce-scatter carries, of which each replica's table holds only its rows of the mean:
+    those no allreduce carries too (a gradient clip's norm reads the whole mean: then the mean is whole and
+    each part reads its rows of it)."""
+    whole = {name for a, names in low.allreduces.items() if low.graph.ops[a].target != REDUCE_SCATTER
+             for name in names}
+    return {name for a, names in low.allreduces.items() if low.graph.ops[a].target == REDUCE_SCATTER
+            for name in names} - whole
 
 
 def rows(x: torch.Tensor, parts: int, k: int) -> torch.Tensor:
