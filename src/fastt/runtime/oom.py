@@ -1,10 +1,11 @@
 """A step that runs out of memory: telling that failure from others, and the one message that says so.
 
 `place` refuses a plan whose simulated peak exceeds a device's memory, so a plan that runs has a simulated
-peak under every device's memory; it can still run out, because the simulator errs by a few percent (more on
-convolutional nets with batch norm or pooling, docs/design.md) and other processes may hold memory on the
-device. The message names the device, the op and the plan's simulated peak there beside the device's memory,
-and what to do: plan with less memory than the device has.
+peak under every device's memory; it can still run out, because the simulator's peak is checked against
+runs on CPU worker devices only (docs/runtime.md: on the safe side, by up to a fifth), not against a GPU's
+allocator, and other processes may hold memory on the device. The message names the device, the op and
+the plan's simulated peak there beside the device's memory, and what to do: plan with less memory than the
+device has.
 """
 
 from __future__ import annotations
