@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 import torch.fx
 
+from .coarsen import ALIAS
 from .errors import FasttError
 from .graph import ALLREDUCE, PARAM, STATE, UPDATE, Op, OpGraph, base_name, replica_of
 
@@ -32,8 +33,8 @@ ROWS = "rows"
 
 _BY_NAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-# View ops that keep every element where it is; any other view (reshape, expand, slice) would see the rows'
-# shape, not the parameter's.
+# View ops that keep every element where it is; any other view (reshape, a transpose of a square parameter)
+# would see the rows' shape, or another layout, not the parameter's.
 _SAFE_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
@@ -92,7 +93,7 @@ def shardable(g: OpGraph, i: int, parts: int) -> str:
             reads_rows = any(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == shape
                              for a in n.all_input_nodes)
             elementwise = val.shape == shape or (val.dim() == 0 and not reads_rows)
-            if not elementwise or (n.target not in _SAFE_VIEWS and "view" in str(n.target)):
+            if not elementwise or (n.target in ALIAS and n.target not in _SAFE_VIEWS):
                 return f"'{op.name}' is not elementwise over '{param.name}' ({name}: {n.target})"
     for j in op.inputs:
         if g.ops[j].kind == ALLREDUCE and any(base_name(g.ops[s].name) != base_name(op.name)
