@@ -331,15 +331,17 @@ def test_gradient_accumulation_takes_the_whole_batch_step(devices: str, k: int, 
 
 def test_accumulation_holds_one_micro_batch_of_activations() -> None:
     """The simulated peak memory of a device shrinks with more micro-batches of the same batch, where activations
-    outweigh the parameters (lenet at batch 64). Each micro-batch's gradients are held until the update (the
-    allreduce sums them at the end), so where the parameters outweigh the activations (mlp) it grows instead."""
+    outweigh the parameters (lenet at batch 256: at 64, what micro-batches do not divide, the caller's whole
+    batch, which a device holds all step, the parameters and their gradients, is most of the peak, 0.77 of it
+    at 2 and 4 micro-batches). Each micro-batch's gradients are held until the update (the allreduce sums them
+    at the end), so where the parameters outweigh the activations (mlp) it grows instead."""
     import fastt
     from fastt.plan.basic import data_parallel
-    w = zoo.get("lenet", "test", batch=64, dropout=False)
+    w = zoo.get("lenet", "test", batch=256, dropout=False)
     g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
     cl = fastt.cluster("cpu:2")
     peaks = [max(fastt.simulate(g, data_parallel(g, cl, k), cl).peak_memory_bytes) for k in (1, 2, 4)]
-    assert max(peaks[1:]) < 0.7 * peaks[0], peaks
+    assert peaks[2] < peaks[1] < 0.7 * peaks[0], peaks
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
