@@ -28,12 +28,11 @@ SEARCH_S = 4.0
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
               measured: MeasuredCosts | None = None, sharded: bool = True) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
-    first (FastT's rule, keep a plan only if it is faster, over a portfolio); with `sharded`, data parallelism
-    with sharded updates (`zero`) too,
-    which the distributed runtime does not run yet. The experts plan first, the
-    spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and OS-DPOS's split
-    search what is left. Where none of them fits, pipelines with FINER micro-batches are tried until one does
-    (memory-bound training)."""
+    first (FastT's rule, keep a plan only if it is faster, over a portfolio); with `sharded`, also data
+    parallelism with sharded updates (`zero`) and the best plan with its replicated updates sharded, which
+    the distributed runtime does not run yet. The experts plan first, the spread search takes up to SEARCH_S
+    of `budget_s` (what the `search` planner takes), and OS-DPOS's split search what is left. Where none of
+    them fits, pipelines with FINER micro-batches are tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
