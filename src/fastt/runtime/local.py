@@ -38,7 +38,7 @@ from ..lower import JOIN, PART, SHARD, Lowered, Task
 from ..split import join, rule, run_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
-from .programs import Programs, Segment, on_device, scattered
+from .programs import Programs, Segment, on_device, rows, scattered
 
 
 class StepError(RuntimeError):
@@ -75,8 +75,8 @@ class _Run:
         self.left = None if self.cuda else dict(programs.readers)
         self.carriers = Counter(name for names in low.allreduces.values() for name in names)
         self.scattered: Counter[int] = Counter()  # reduce-scatter -> replicas that have their rows
-        rows = scattered(low)  # reduce-scatters whose replicas compute their own rows
-        self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= rows}
+        given = scattered(low)  # reduce-scatters whose replicas compute their own rows
+        self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= given}
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
@@ -162,8 +162,7 @@ class _Run:
         with self.lock:
             for name in names:
                 self.raw.setdefault(name, [env[name] for env in self.envs])
-        grads = [[torch.tensor_split(self.get(j, name, d, self.raw[name][j]), r)[k] for name in names]
-                 for j in range(r)]
+        grads = [[rows(self.get(j, name, d, self.raw[name][j]), r, k) for name in names] for j in range(r)]
         self.envs[k].update(zip(names, replica_mean(grads)))
         with self.lock:
             self.scattered[a] += 1
@@ -282,13 +281,13 @@ class _Run:
             _, k, parts = t.part
             shape = self.nodes[t.head].meta["val"].shape
 
-            def rows(a: fx.Node) -> object:
+            def mine(a: fx.Node) -> object:
                 x = self.get(t.replica, a.name, d)
                 whole = isinstance(x, torch.Tensor) and x.shape == shape
-                return torch.tensor_split(x, parts)[k] if whole else x
+                return rows(x, parts, k) if whole else x
             for name in t.nodes:
                 n = self.nodes[name]
-                args, kwargs = map_arg((n.args, n.kwargs), rows)
+                args, kwargs = map_arg((n.args, n.kwargs), mine)
                 env[name] = n.target(*args, **on_device(kwargs, device))
             return
         if t.kind == JOIN:
