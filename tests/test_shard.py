@@ -122,19 +122,19 @@ def test_an_update_with_fewer_rows_than_replicas_is_left_whole_and_named_when_as
         shard_updates(data_parallel_graph(g, 2), ["update:nothing"])
 
 
-def test_strategy_version_2_round_trips_its_sharded_updates_and_version_1_still_reads() -> None:
+def test_strategy_version_3_round_trips_its_sharded_updates_and_version_1_still_reads() -> None:
     w = zoo.get("mlp", "test", optimizer="adam")
     g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
     s = get_planner("zero")(g, cluster("cpu:2"))
     text = s.to_json()
-    assert json.loads(text)["version"] == 2
+    assert json.loads(text)["version"] == 3
     assert Strategy.from_json(text) == s
     old = json.loads(get_planner("dp")(g, cluster("cpu:2")).to_json())
     old["version"] = 1
     del old["sharded"]
     assert Strategy.from_json(json.dumps(old)).sharded == ()
-    old["version"] = 3
-    with pytest.raises(FasttError, match="reads versions 1, 2"):
+    old["version"] = 4
+    with pytest.raises(FasttError, match="reads versions 1, 2, 3"):
         Strategy.from_json(json.dumps(old))
 
 

@@ -291,6 +291,11 @@ def without_unplaced_updates(g: OpGraph, placed: Mapping[str, int]) -> OpGraph:
     kept = {base_name(op.name) for op in g.ops if op.kind == UPDATE and op.name in placed}
     gone = {i for i, op in enumerate(g.ops) if op.kind == UPDATE and op.name not in placed and not g.succs[i]
             and replica_of(op.name) > 0 and base_name(op.name) in kept}
+    return without(g, gone)
+
+
+def without(g: OpGraph, gone: set[int]) -> OpGraph:
+    """`g` without ops `gone` (nothing kept may read them), the rest renumbered."""
     if not gone:
         return g
     first = min(gone)

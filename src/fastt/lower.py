@@ -11,6 +11,9 @@ nodes) are read into every replica's table before the step, as every device has 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from torch import fx
 
 from .capture import Step
 from .errors import FasttError
@@ -36,6 +39,7 @@ class Task:
     head: str = ""
     part: tuple = ()
     waits: tuple[int, ...] = ()
+    given: tuple[tuple[int, str], ...] = ()  # a part's (arg position, value): its producer's part (a chain)
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,34 @@ def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
         return Task(i, op.name, SHARD, r, tuple(n for n in op.nodes if n in call_nodes), head=param.nodes[0],
                     part=op.split, waits=waits)
     if op.split:
-        return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits)
+        given = tuple((pos, f"{g.ops[op.inputs[j]].head}#{g.ops[op.inputs[j]].split[1]}")
+                      for pos, j in enumerate(op.arg_inputs) if j >= 0 and g.ops[op.inputs[j]].split)
+        return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits, given=given)
     if op.target.startswith("join:"):
         head = g.ops[op.inputs[0]].head
         return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head,
                     waits=waits)
     return Task(i, op.name, RUN, r, tuple(n for n in op.nodes if n in call_nodes), waits=waits)
+
+
+def part_args(t: Task, node: fx.Node) -> tuple[list[Any], dict[str, Any]]:
+    """What part task `t` passes its head `node`: its args and kwargs with every fx node an input, as value
+    names (str) where the task reads a chained producer's part instead (`t.given`)."""
+    given = dict(t.given)
+    args = [given.get(pos, a) for pos, a in enumerate(node.args)]
+    return args, dict(node.kwargs)
+
+
+def part_reads(t: Task, node: fx.Node) -> list[str]:
+    """The names of the values part task `t` reads to run its head `node`, in argument order."""
+    names: list[str] = []
+    args, kwargs = part_args(t, node)
+    for a in (*args, kwargs):
+        if isinstance(a, str):
+            names.append(a)
+        else:
+            fx.node.map_arg(a, lambda n: names.append(n.name))
+    return list(dict.fromkeys(names))
 
 
 def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:

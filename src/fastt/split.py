@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from .coarsen import ALIAS
 from .errors import FasttError
-from .graph import COMPUTE, Op, OpGraph, data_parallel_graph, without_unplaced_updates
+from .graph import COMPUTE, Op, OpGraph, data_parallel_graph, without, without_unplaced_updates
 from .shard import shard_updates
 from .strategy import Strategy
 
@@ -257,20 +257,23 @@ def run_split(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, d
 
 
 def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, dim: str, k: int,
-             parts: int) -> Any:
-    """Part k of `parts` of aten op `target` split along `dim`, on real tensors (what sub-op `op#k` runs)."""
+             parts: int, given: Sequence[int] = (), whole: Sequence[Any] | None = None) -> Any:
+    """Part k of `parts` of aten op `target` split along `dim`, on real tensors (what sub-op `op#k` runs).
+    `given`: positions whose arg is already its part k (a chained producer's part, `chain`); then `whole`
+    holds every arg as the whole op sees it (the capture's fake tensors), from which the slicing is read."""
     kwargs = dict(kwargs or {})
     spec = rule(target, dim)
-    size = split_size(target, dim, args, kwargs)
+    ref = args if whole is None else whole
+    size = split_size(target, dim, ref, kwargs)
     if not 2 <= parts <= size:
         raise FasttError(f"{target} cannot be split into {parts} parts along '{dim}' for these arguments "
                          f"(length {size}; 0 means the rule does not apply)")
-    dims = slice_dims(spec, args)
+    dims = slice_dims(spec, ref)
     # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's
     # backward among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates
     # land.
-    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None else a
-                 for a, d in zip(args, dims)]
+    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None and pos not in given else a
+                 for pos, (a, d) in enumerate(zip(args, dims))]
     length = len(torch.tensor_split(torch.arange(size), parts)[k])
     for pos, idx in spec.sizes:
         if part_args[pos] is not None:
@@ -469,11 +472,96 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
                    fx=graph.fx, replicas=graph.replicas, fx_nodes=graph.fx_nodes)
 
 
+# ---- split chains
+# ---------------------------------------------------------------------------------------------
+
+
+def _parts_of(graph: OpGraph, op: str) -> list[int]:
+    """Indices of split op `op`'s parts, in part order (empty when it is not split)."""
+    first = graph.index.get(f"{op}#0")
+    if first is None:
+        return []
+    return [graph.index[f"{op}#{k}"] for k in range(graph.ops[first].split[2])]
+
+
+def _step_outputs(graph: OpGraph) -> set[str]:
+    gm = getattr(graph.fx, "gm", None)
+    if gm is None:
+        return set()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return {a.name for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, Node)}
+
+
+def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
+    """For split op `op` in the split graph: {input position j: the producer's parts, part order} for each
+    input of its parts that part k can read from the producer's part k instead of slicing its join. That is
+    exact when the producer P is split into as many parts, its one result concatenated along dim d, and `op`
+    reads P's result itself (no view of it) only at args it slices along d: both cut the same dim of the same
+    tensor into the same parts (`torch.tensor_split`). A column-split matmul feeding a relu split along dim1,
+    or a batch-split convolution feeding a batch-split relu, chain; a summed result (a reduction split) does
+    not."""
+    mine = _parts_of(graph, op)
+    if not mine:
+        return {}
+    c = graph.ops[mine[0]]
+    cnode = _fx_node(graph, c.head)
+    if cnode is None:
+        return {}
+    cdims = slice_dims(rule(c.target, c.split[0]), _vals(cnode)[0])
+    out: dict[int, list[int]] = {}
+    for j, src in enumerate(c.inputs):
+        join_op = graph.ops[src]
+        if not join_op.target.startswith("join:") or len(join_op.inputs) != len(mine):
+            continue
+        p = graph.ops[join_op.inputs[0]]
+        pnode = _fx_node(graph, p.head)
+        if pnode is None or not isinstance(pnode.meta.get("val"), torch.Tensor):
+            continue
+        how = rule(p.target, p.split[0]).outs[0]
+        positions = [pos for pos, jj in enumerate(c.arg_inputs) if jj == j]
+        if how[0] != "cat" or not positions or any(
+                pos >= len(cnode.args) or cnode.args[pos] is not pnode or cdims[pos] is None
+                or cdims[pos] % pnode.meta["val"].dim() != how[1] % pnode.meta["val"].dim()
+                for pos in positions):
+            continue
+        if any(x is pnode for x in cnode.kwargs.values()):
+            continue
+        out[j] = list(join_op.inputs)
+    return out
+
+
+def chain(graph: OpGraph, op: str) -> OpGraph:
+    """The split graph with split op `op`'s part k reading part k of each producer `chain_links` finds, not
+    its join; a join nothing reads any more goes (unless the step returns it). FasttError if none chains."""
+    links = chain_links(graph, op)
+    if not links:
+        raise FasttError(f"op '{op}' cannot be chained: it is not split, or no input of it is a split op "
+                         "cut the way it slices that input")
+    ops, mine = list(graph.ops), _parts_of(graph, op)
+    joins = {graph.ops[mine[0]].inputs[j] for j in links}
+    for k, i in enumerate(mine):
+        o = ops[i]
+        ins, in_b = list(o.inputs), list(o.in_bytes)
+        in_parts = list(o.in_parts)
+        for j, producers in links.items():
+            ins[j], in_b[j] = producers[k], graph.ops[producers[k]].out_bytes
+            if in_parts:
+                in_parts[j] = ()
+        ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
+    g = replace(graph, ops=tuple(ops))
+    outputs = _step_outputs(g)
+    gone = {i for i in joins if not g.succs[i] and not g.ops[i].returned
+            and not outputs & {g.ops[g.ops[i].inputs[0]].head, *g.ops[i].nodes}}
+    return without(g, gone)
+
+
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
     """The graph a strategy places: `graph`, replicated for data parallelism, its sharded updates sharded
-    (`fastt.shard`), with the strategy's splits, less the duplicate updates it leaves out
-    (`graph.duplicate_updates`)."""
+    (`fastt.shard`), with the strategy's splits and their chains (`chain`), less the duplicate updates it
+    leaves out (`graph.duplicate_updates`)."""
     g = shard_updates(data_parallel_graph(graph, strategy.replicas), strategy.sharded)
     for s in strategy.splits:
         g = split(g, s.op, s.dim, s.parts)
+    for name in strategy.chained:
+        g = chain(g, name)
     return without_unplaced_updates(g, strategy.placement)

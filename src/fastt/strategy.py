@@ -19,8 +19,8 @@ from typing import Any
 from fastt.errors import FasttError
 from fastt.graph import ALLREDUCE, RESIDENT, OpGraph
 
-FORMAT, VERSION = "fastt.strategy", 2
-READS = (1, 2)  # version 1 had no sharded updates
+FORMAT, VERSION = "fastt.strategy", 3
+READS = (1, 2, 3)  # version 1 had no sharded updates, 2 no split chains
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Strategy:
     replicas: int = 1
     splits: tuple[Split, ...] = field(default=())
     sharded: tuple[str, ...] = field(default=())  # updates sharded over the replicas (`fastt.shard`)
+    chained: tuple[str, ...] = field(default=())  # split ops whose parts read their producers' parts
 
     def __post_init__(self) -> None:
         # Normalise containers so that strategies built from lists, or read from JSON, compare equal.
@@ -58,6 +59,7 @@ class Strategy:
         object.__setattr__(self, "holders", {k: tuple(v) for k, v in self.holders.items()})
         object.__setattr__(self, "splits", tuple(self.splits))
         object.__setattr__(self, "sharded", tuple(self.sharded))
+        object.__setattr__(self, "chained", tuple(self.chained))
 
     def to_json(self) -> str:
         """The versioned JSON text of this strategy."""
@@ -65,7 +67,7 @@ class Strategy:
             "format": FORMAT, "version": VERSION, "planner": self.planner, "n_devices": self.n_devices,
             "replicas": self.replicas,
             "splits": [{"op": s.op, "dim": s.dim, "parts": s.parts} for s in self.splits],
-            "sharded": list(self.sharded),
+            "sharded": list(self.sharded), "chained": list(self.chained),
             "placement": dict(self.placement), "order": [list(o) for o in self.order],
             "holders": {k: list(v) for k, v in self.holders.items()},
         }, indent=1)
@@ -95,13 +97,15 @@ class Strategy:
                 "holders must map op names to lists of device indices")
         sharded = _get(obj, "sharded", list) if obj["version"] >= 2 else []
         _expect(all(isinstance(n, str) for n in sharded), "sharded must be a list of update names")
+        chained = _get(obj, "chained", list) if obj["version"] >= 3 else []
+        _expect(all(isinstance(n, str) for n in chained), "chained must be a list of split op names")
         n_devices, replicas = _get(obj, "n_devices", int), _get(obj, "replicas", int)
         _expect(n_devices >= 1 and replicas >= 1 and all(s.parts >= 1 for s in splits),
                 "n_devices, replicas and every split's parts must be at least 1")
         return cls(planner=_get(obj, "planner", str), n_devices=n_devices,
                    placement=placement, order=tuple(tuple(o) for o in order),
                    holders={k: tuple(v) for k, v in holders.items()}, replicas=replicas, splits=tuple(splits),
-                   sharded=tuple(sharded))
+                   sharded=tuple(sharded), chained=tuple(chained))
 
     def save(self, path: str | Path) -> None:
         """Write the strategy as JSON to `path`."""

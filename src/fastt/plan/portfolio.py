@@ -11,7 +11,7 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
 from ..shard import shardable
-from ..split import graph_for
+from ..split import chain, chain_links, graph_for
 from ..strategy import Strategy
 from .basic import zero
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
@@ -69,6 +69,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
             v = with_sharded_updates(graph, s)
             if v is not None:
                 judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
+    best = min(judged)[2]
+    v = with_chains(graph, best)
+    if v is not None:  # the best plan's splits chained where their layouts agree: no join between them
+        judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
     for micro in FINER if not any(not misfit for (misfit, _), _, _ in judged) else ():
         # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive,
         # not all of them), each cut a capture of its own, until one fits.
@@ -96,6 +100,21 @@ def with_sharded_updates(graph: OpGraph, s: Strategy) -> Strategy | None:
     names = tuple(u for u, ds in devices.items() if len(set(ds)) == s.replicas
                   and not shardable(g, g.index[f"r0/{u}"], s.replicas))
     return replace(s, sharded=names) if names else None
+
+
+def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
+    """`s` with every split op chained to the split ops it reads where their layouts agree (`split.chain`),
+    the joins that leaves unread out of its placement and order; None where no split chains."""
+    g = graph_for(graph, s)
+    names = []
+    for sp in s.splits:
+        if sp.op not in s.chained and chain_links(g, sp.op):
+            g, names = chain(g, sp.op), [*names, sp.op]
+    if not names:
+        return None
+    return replace(s, chained=(*s.chained, *names),
+                   placement={k: d for k, d in s.placement.items() if k in g.index},
+                   order=tuple(tuple(n for n in o if n in g.index) for o in s.order))
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:

@@ -34,7 +34,7 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from ..errors import FasttError
-from ..lower import JOIN, PART, SHARD, Lowered, Task
+from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args
 from ..split import join, rule, run_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
@@ -275,7 +275,15 @@ class _Run:
         if t.kind == PART:
             n = self.nodes[t.head]
             dim, k, parts = t.part
-            env[f"{t.head}#{k}"] = run_part(n.target, *args_of(n), dim, k, parts)
+            if not t.given:
+                env[f"{t.head}#{k}"] = run_part(n.target, *args_of(n), dim, k, parts)
+                return
+            args, kwargs = part_args(t, n)  # a chained part: its producers' parts, and the whole shapes
+            args, kwargs = map_arg((args, kwargs), lambda a: self.get(t.replica, a.name, d))
+            args = [self.get(t.replica, a, d) if isinstance(a, str) else a for a in args]
+            whole = map_arg(n.args, lambda a: a.meta.get("val"))
+            env[f"{t.head}#{k}"] = run_part(n.target, args, on_device(kwargs, device), dim, k, parts,
+                                            given=[pos for pos, _ in t.given], whole=whole)
             return
         if t.kind == SHARD:  # this replica's rows of the parameter, its mean gradient and its state
             _, k, parts = t.part

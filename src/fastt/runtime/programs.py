@@ -24,7 +24,7 @@ from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
-from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower
+from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower, part_reads
 from ..shard import REDUCE_SCATTER
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
@@ -57,7 +57,7 @@ def segment_reads(low: Lowered, seg: Segment, nodes: dict[str, fx.Node]) -> tupl
     t = seg.tasks[0]
     read = [x.name for name in t.nodes for x in nodes[name].all_input_nodes]
     if t.kind == PART:
-        read += [x.name for x in nodes[t.head].all_input_nodes]
+        read += part_reads(t, nodes[t.head])
     elif t.kind == JOIN:
         read += [f"{t.head}#{k}" for k in range(low.graph.ops[t.waits[0]].split[2])]
     return tuple(dict.fromkeys(read))

@@ -11,7 +11,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import TreeSpec
 
 from ...errors import FasttError
-from ...lower import JOIN, PART, Lowered, Task
+from ...lower import JOIN, PART, Lowered, Task, part_reads
 from ...split import run_part
 from ..programs import Programs, Segment
 from .collectives import Bounds, ReduceCall, frozen, order_collectives
@@ -129,7 +129,7 @@ def reads(low: Lowered, programs: Programs, seg: Segment) -> list[str]:
     names: list[str] = []
     for t in seg.tasks:
         if t.kind == PART:
-            names += [x.name for x in programs.nodes[t.head].all_input_nodes]
+            names += part_reads(t, programs.nodes[t.head])
         elif t.kind == JOIN:
             parts = low.graph.ops[t.waits[0]].split[2]
             names += [f"{t.head}#{k}" for k in range(parts)]

@@ -1,0 +1,123 @@
+"""Split chains: part k of a split op reads part k of the split op before it, no join between them (the
+column-split matmul, relu, row-split matmul of a Megatron MLP). Oracle: the plain one-device eager step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastt
+from fastt import zoo
+from fastt.errors import FasttError
+from fastt.plan.dpos import dpos_strategy
+from fastt.plan.portfolio import with_chains
+from fastt.runtime import parallelize
+from fastt.runtime.reference import eager_step, max_param_rel_diff, take_state
+from fastt.simulate import simulate_plan
+from fastt.split import chain, chain_links, graph_for, split, splittable
+from fastt.strategy import Split, Strategy
+
+CL = fastt.cluster("cpu:2")
+# fc1 by its output columns, its relu by dim1, fc2 by its reduction dim (summed); in the backward, relu_2's
+# gradient by dim1 and the input gradient it feeds by the reduction dim
+BLOCK = (Split("addmm", "cols", 2), Split("relu", "dim1", 2), Split("addmm_1", "reduction", 2),
+         Split("threshold_backward", "dim1", 2), Split("mm_2", "reduction", 2))
+
+
+def _make(optimizer: str = "sgd") -> tuple:
+    torch.manual_seed(0)
+    w = zoo.get("mlp", "test", dropout=False, optimizer=optimizer)
+    return w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+
+@pytest.fixture(scope="module")
+def mlp() -> fastt.OpGraph:
+    model, loss_fn, opt, inputs = _make()
+    return fastt.capture(model, loss_fn, opt, inputs)
+
+
+def _plan(g: fastt.OpGraph, splits: tuple[Split, ...], replicas: int = 1) -> Strategy:
+    """DPOS's placement of `g` with `splits`, then every split chained that can be."""
+    start = fastt.plan(g, CL, "dp" if replicas > 1 else "single")
+    s = dataclasses.replace(start, splits=splits)
+    s = dataclasses.replace(dpos_strategy(graph_for(g, s), CL, replicas=replicas), splits=splits)
+    return with_chains(g, s) or s
+
+
+def test_a_chain_reads_the_producers_parts_and_drops_the_join_nothing_else_reads(mlp) -> None:
+    s = _plan(mlp, BLOCK)
+    assert s.chained == ("relu", "addmm_1", "mm_2")
+    g = graph_for(mlp, s)
+    assert "addmm#join" not in g.index  # only relu read it
+    assert "relu#join" in g.index  # the weight gradient and relu's backward still read relu whole
+    for k in range(2):
+        assert g.ops[g.index[f"relu#{k}"]].inputs == (g.index[f"addmm#{k}"],)
+        assert g.index[f"relu#{k}"] in g.ops[g.index[f"addmm_1#{k}"]].inputs
+    unchained = graph_for(mlp, dataclasses.replace(s, chained=()))
+    assert len(g.ops) == len(unchained.ops) - 1
+    # no join, and no slice of it, between the chained ops: fewer bytes read across the edges
+    assert sum(map(sum, (op.in_bytes for op in g.ops))) < sum(map(sum, (op.in_bytes for op in unchained.ops)))
+
+
+# SGD: Adam's first steps amplify a rounding difference of the summed parts to the size of lr
+@pytest.mark.parametrize("optimizer,replicas", [("sgd", 1), ("sgd", 2)])
+def test_a_chained_mlp_block_trains_as_eager(optimizer: str, replicas: int) -> None:
+    model, loss_fn, opt, inputs = _make(optimizer)
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    splits = BLOCK if replicas == 1 else tuple(Split(f"r0/{sp.op}", sp.dim, sp.parts) for sp in BLOCK)
+    s = _plan(g, splits, replicas)
+    assert len(s.chained) == 3
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
+    ref = _make(optimizer)
+    for _ in range(5):  # each step from the same state: the summed parts add in another order than eager
+        take_state(model, opt, ref[0], ref[2])
+        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
+                                   atol=1e-6)
+        assert max_param_rel_diff(ref[0], model) <= 1e-5
+
+
+def test_ops_that_do_not_chain_are_named(mlp) -> None:
+    g = split(split(mlp, "addmm", "rows", 2), "relu", "dim1", 2)  # rows feed a split by columns
+    assert chain_links(g, "relu") == {}
+    with pytest.raises(FasttError, match="'relu' cannot be chained"):
+        chain(g, "relu")
+    with pytest.raises(FasttError, match="'addmm_1' cannot be chained"):
+        chain(g, "addmm_1")  # not split at all
+
+
+def test_strategy_version_3_round_trips_its_chains_and_version_2_still_reads(mlp) -> None:
+    s = _plan(mlp, BLOCK)
+    assert Strategy.from_json(s.to_json()) == s
+    old = json.loads(dataclasses.replace(s, chained=()).to_json())
+    old["version"] = 2
+    del old["chained"]
+    assert Strategy.from_json(json.dumps(old)).chained == ()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_chains_keep_the_plan_sound_and_the_step_exact(mlp, data) -> None:
+    """Random splits of the mlp's compute ops (2 parts along any dim that fits), chained wherever layouts
+    agree: the plan validates and simulates, and one step of it equals the eager step."""
+    ops = [op.name for op in mlp.ops if splittable(op, mlp)]
+    names = data.draw(st.lists(st.sampled_from(ops), min_size=2, max_size=8, unique=True))
+    splits = tuple(Split(n, data.draw(st.sampled_from(splittable(mlp.ops[mlp.index[n]], mlp))), 2)
+                   for n in sorted(names, key=mlp.index.__getitem__))
+    s = _plan(mlp, splits)
+    g = graph_for(mlp, s)
+    s.validate(g)
+    assert simulate_plan(mlp, s, CL).iteration_s > 0
+    for name in s.chained:
+        for k in range(2):  # each chained part reads some producer's part k
+            part = g.ops[g.index[f"{name}#{k}"]]
+            assert any(g.ops[j].split and g.ops[j].split[1] == k for j in part.inputs)
+    model, loss_fn, opt, inputs = _make()
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
+    ref = _make()
+    torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5, atol=1e-6)
+    assert max_param_rel_diff(ref[0], model) <= 1e-5
