@@ -121,3 +121,25 @@ def test_random_chains_keep_the_plan_sound_and_the_step_exact(mlp, data) -> None
     ref = _make()
     torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5, atol=1e-6)
     assert max_param_rel_diff(ref[0], model) <= 1e-5
+
+
+def test_a_bert_mlp_chains_through_its_reshapes_and_trains_as_eager() -> None:
+    """bert's intermediate dense (2-d, by columns) is viewed as [B, T, 4H] for its gelu (by dim2) and back to
+    2-d for the output dense (by its reduction dim): the parts chain through both views."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        w = zoo.get("bert-base", "test", dropout=False)
+        return w.model, w.loss_fn, w.optimizer, w.example_inputs
+    model, loss_fn, opt, inputs = make()
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    s = _plan(g, (Split("addmm_4", "cols", 2), Split("gelu", "dim2", 2), Split("addmm_5", "reduction", 2)))
+    assert s.chained == ("gelu", "addmm_5")
+    split_g = graph_for(g, s)
+    assert split_g.ops[split_g.index["gelu#1"]].inputs == (split_g.index["addmm_4#1"],)
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
+    ref = make()
+    for _ in range(3):
+        take_state(model, opt, ref[0], ref[2])
+        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
+                                   atol=1e-6)
+        assert max_param_rel_diff(ref[0], model) <= 1e-5

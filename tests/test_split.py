@@ -126,6 +126,14 @@ CASES: list[tuple[Any, Case]] = [
     *[(op, lambda: ([r(N, C), 1.5], {})) for op in (aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar,
                                                     aten.div.Scalar)],
     (aten.where.self, lambda: ([r(N, C) > 0, r(N, C), r(C)], {})),
+    # elementwise along dim2 too (a transformer's hidden dim): 3-d cases of the ops above tested in 2-d
+    (aten.where.self, lambda: ([r(N, C, 3) > 0, r(N, C, 3), r(3)], {})),
+    (aten.threshold_backward.default, lambda: ([r(N, C, 3), r(N, C, 3), 0.0], {})),
+    (aten.sqrt.default, lambda: ([pos(N, C, 3)], {})),
+    (aten.rsqrt.default, lambda: ([pos(N, C, 3)], {})),
+    (aten.pow.Tensor_Scalar, lambda: ([r(N, C, 3), 3], {})),
+    *[(op, lambda: ([r(N, C, 3), 1.5], {})) for op in (aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar,
+                                                       aten.div.Scalar)],
     *[(op, lambda d=d: ([r(N, C, 4), d, False], {})) for op in (aten._softmax.default, aten._log_softmax.default)
       for d in (-1, 1, 0)],
     (aten._safe_softmax.default, lambda: ([r(N, C, 4), -1], {})),

@@ -17,10 +17,10 @@ from torch import fx
 
 from .capture import Step
 from .errors import FasttError
-from .graph import ALLREDUCE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph, loss_weights, replica_of
+from .graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph, loss_weights, replica_of
 from .loss import ONE, ReplicaWeights
 from .shard import ALL_GATHER
-from .split import graph_for
+from .split import alias_path, graph_for, rule
 from .strategy import Strategy
 
 RUN, PART, JOIN, SHARD = "run", "part", "join", "shard"
@@ -40,6 +40,14 @@ class Task:
     part: tuple = ()
     waits: tuple[int, ...] = ()
     given: tuple[tuple[int, str], ...] = ()  # a part's (arg position, value): its producer's part (a chain)
+    views: tuple[tuple[str, int], ...] = ()  # a part's view nodes its chained readers read, each on its part
+    # (`split.view_part`), with the dim its input is cut along
+
+
+def part_names(t: Task) -> tuple[str, ...]:
+    """The values part task `t` writes: its head's part k and the views of it its chained readers read."""
+    k = t.part[1]
+    return (f"{t.head}#{k}", *(f"{name}#{k}" for name, _ in t.views))
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ class Lowered:
     weights: ReplicaWeights = ONE  # each replica's loss weight (`fastt.loss`)
 
 
-def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
+def _task(g: OpGraph, i: int, call_nodes: set[str], nodes: dict[str, fx.Node],
+          views: dict[int, dict[str, int]]) -> Task:
     op = g.ops[i]
     waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT
                   and g.ops[j].kind != INPUT)
@@ -67,9 +76,11 @@ def _task(g: OpGraph, i: int, call_nodes: set[str]) -> Task:
         return Task(i, op.name, SHARD, r, tuple(n for n in op.nodes if n in call_nodes), head=param.nodes[0],
                     part=op.split, waits=waits)
     if op.split:
-        given = tuple((pos, f"{g.ops[op.inputs[j]].head}#{g.ops[op.inputs[j]].split[1]}")
+        args = nodes[op.head].args
+        given = tuple((pos, f"{args[pos].name}#{g.ops[op.inputs[j]].split[1]}")
                       for pos, j in enumerate(op.arg_inputs) if j >= 0 and g.ops[op.inputs[j]].split)
-        return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits, given=given)
+        return Task(i, op.name, PART, r, (op.head,), head=op.head, part=op.split, waits=waits, given=given,
+                    views=tuple(views.get(i, {}).items()))
     if op.target.startswith("join:"):
         head = g.ops[op.inputs[0]].head
         return Task(i, op.name, JOIN, r, tuple(n for n in op.nodes if n in call_nodes), head=head,
@@ -109,6 +120,25 @@ def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(read))
 
 
+def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> dict[int, dict[str, int]]:
+    """For each producer part (by op index): the view nodes of its head that chained parts read, in graph
+    order, each with the dim its input is cut along (`split.alias_path`)."""
+    out: dict[int, dict[str, int]] = {}
+    for op in g.ops:
+        if not op.split or op.kind != COMPUTE:
+            continue
+        args = nodes[op.head].args
+        for pos, j in enumerate(op.arg_inputs):
+            p = g.ops[op.inputs[j]] if j >= 0 else None
+            if p is None or not p.split:
+                continue
+            head = nodes[p.head]
+            d = rule(p.target, p.split[0]).outs[0][1] % head.meta["val"].dim()
+            for v, dv in alias_path(head, args[pos], d):
+                out.setdefault(op.inputs[j], {})[v.name] = dv
+    return out
+
+
 def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     """One program per device for `strategy` on the captured `graph` (see the module docstring)."""
     g = graph_for(graph, strategy)
@@ -118,7 +148,8 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
         raise FasttError(f"graph '{graph.name}' was not captured from a model: there is nothing to run")
     nodes = {n.name: n for n in step.gm.graph.nodes}
     call_nodes = {name for name, n in nodes.items() if n.op == "call_function"}
-    programs = tuple(tuple(_task(g, g.index[name], call_nodes) for name in order
+    views = _chained_views(g, nodes)
+    programs = tuple(tuple(_task(g, g.index[name], call_nodes, nodes, views) for name in order
                            if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
     # A sharded update's all-gather is read by no op of the step: the runtime joins the rows at its end.
     allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops)

@@ -15,6 +15,7 @@ Random ops (dropout's `bernoulli`) are left out: parts would draw different numb
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -97,8 +98,9 @@ _PLAIN_CONV_BWD = _all(_is(7, False, False), _is(9, 1, 1))
 
 
 def _elementwise() -> dict[str, SplitSpec]:
-    """Any dim of the (broadcast) output: every tensor arg sliced where it has that dim."""
-    return {name: SplitSpec(args=(Bcast(d),) * 4, outs=(("cat", d),)) for name, d in _DIMS}
+    """Any of the first three dims of the (broadcast) output (dim2: a transformer's hidden dim, [B, T, H]):
+    every tensor arg sliced where it has that dim."""
+    return {name: SplitSpec(args=(Bcast(d),) * 4, outs=(("cat", d),)) for name, d in (*_DIMS, ("dim2", 2))}
 
 
 def _rowwise(tensors: Sequence[int], reduced_arg: int) -> dict[str, SplitSpec]:
@@ -492,14 +494,74 @@ def _step_outputs(graph: OpGraph) -> set[str]:
     return {a.name for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, Node)}
 
 
+_SAME = {aten.detach.default, aten.alias.default}
+_RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def view_dim(node: Node, d: int) -> int | None:
+    """The dim of view node `node`'s result that is dim `d` of its input, element for element, or None where
+    the view mixes it with others (so a slice of the input along d is a slice of the result along it)."""
+    src, out = node.args[0].meta["val"], node.meta["val"]
+    t = node.target
+    if t in _SAME:
+        return d
+    if t is aten.t.default:
+        return 1 - d if src.dim() == 2 else d
+    if t is aten.transpose.int:
+        a, b = (x % src.dim() for x in node.args[1:3])
+        return b if d == a else a if d == b else d
+    if t is aten.permute.default:
+        return [x % src.dim() for x in node.args[1]].index(d)
+    if t is aten.unsqueeze.default:
+        return d + 1 if node.args[1] % out.dim() <= d else d
+    if t in _RESHAPE:  # row-major: dim d keeps its length and everything after it keeps its size
+        inner = math.prod(src.shape[d + 1:])
+        return next((e for e in range(out.dim()) if out.shape[e] == src.shape[d]
+                     and math.prod(out.shape[e + 1:]) == inner), None)
+    return None
+
+
+def view_part(node: Node, x: torch.Tensor, d: int) -> torch.Tensor:
+    """View node `node` applied to `x`, a part of its input cut along dim d (`view_dim` says it may be)."""
+    if node.target in _RESHAPE:
+        shape = list(node.meta["val"].shape)
+        shape[view_dim(node, d)] = x.shape[d]
+        return node.target(x, shape)
+    return node.target(x, *node.args[1:], **node.kwargs)
+
+
+def alias_path(head: Node, node: Node, d: int) -> list[tuple[Node, int]] | None:
+    """The view nodes from `head` (cut along dim d) to `node`, each with the dim its input is cut along; None
+    where `node` is not a view of `head` that keeps the cut (`view_dim`). The last dim: `cut_after`."""
+    path = []
+    n = node
+    while n is not head:
+        if n.target not in ALIAS or not n.args or not isinstance(n.args[0], Node):
+            return None
+        path.append(n)
+        n = n.args[0]
+    out = []
+    for v in reversed(path):
+        out.append((v, d))
+        d = view_dim(v, d)
+        if d is None:
+            return None
+    return out
+
+
+def cut_after(path: list[tuple[Node, int]], d: int) -> int:
+    """The dim the last view of `path` leaves cut (d, the head's, where the path is empty)."""
+    return view_dim(*path[-1]) if path else d
+
+
 def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
     """For split op `op` in the split graph: {input position j: the producer's parts, part order} for each
     input of its parts that part k can read from the producer's part k instead of slicing its join. That is
     exact when the producer P is split into as many parts, its one result concatenated along dim d, and `op`
-    reads P's result itself (no view of it) only at args it slices along d: both cut the same dim of the same
-    tensor into the same parts (`torch.tensor_split`). A column-split matmul feeding a relu split along dim1,
-    or a batch-split convolution feeding a batch-split relu, chain; a summed result (a reduction split) does
-    not."""
+    reads that result, or a view of it that keeps dim d whole (`view_dim`), only at args it slices along
+    that dim: both cut the same dim of the same tensor into the same parts (`torch.tensor_split`). A
+    column-split matmul feeding a relu split along dim1 chains, through a reshape from 2-d to 3-d too; a
+    summed result (a reduction split) does not."""
     mine = _parts_of(graph, op)
     if not mine:
         return {}
@@ -519,14 +581,17 @@ def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
             continue
         how = rule(p.target, p.split[0]).outs[0]
         positions = [pos for pos, jj in enumerate(c.arg_inputs) if jj == j]
-        if how[0] != "cat" or not positions or any(
-                pos >= len(cnode.args) or cnode.args[pos] is not pnode or cdims[pos] is None
-                or cdims[pos] % pnode.meta["val"].dim() != how[1] % pnode.meta["val"].dim()
-                for pos in positions):
+        if how[0] != "cat" or not positions or any(isinstance(x, Node) for x in cnode.kwargs.values()):
             continue
-        if any(x is pnode for x in cnode.kwargs.values()):
-            continue
-        out[j] = list(join_op.inputs)
+        d = how[1] % pnode.meta["val"].dim()
+        ok = True
+        for pos in positions:
+            a = cnode.args[pos] if pos < len(cnode.args) else None
+            mine_too = isinstance(a, Node) and (a is pnode or a.name in join_op.nodes)
+            path = alias_path(pnode, a, d) if mine_too else None
+            ok = ok and path is not None and cdims[pos] is not None and cdims[pos] == cut_after(path, d)
+        if ok:
+            out[j] = list(join_op.inputs)
     return out
 
 

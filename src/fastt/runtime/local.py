@@ -34,8 +34,8 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from ..errors import FasttError
-from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args
-from ..split import join, rule, run_part
+from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args, part_names
+from ..split import join, rule, run_part, view_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
 from .programs import Programs, Segment, on_device, rows, scattered
@@ -277,13 +277,16 @@ class _Run:
             dim, k, parts = t.part
             if not t.given:
                 env[f"{t.head}#{k}"] = run_part(n.target, *args_of(n), dim, k, parts)
-                return
-            args, kwargs = part_args(t, n)  # a chained part: its producers' parts, and the whole shapes
-            args, kwargs = map_arg((args, kwargs), lambda a: self.get(t.replica, a.name, d))
-            args = [self.get(t.replica, a, d) if isinstance(a, str) else a for a in args]
-            whole = map_arg(n.args, lambda a: a.meta.get("val"))
-            env[f"{t.head}#{k}"] = run_part(n.target, args, on_device(kwargs, device), dim, k, parts,
-                                            given=[pos for pos, _ in t.given], whole=whole)
+            else:  # a chained part: its producers' parts, sliced as the whole op's shapes say
+                args, kwargs = part_args(t, n)
+                args, kwargs = map_arg((args, kwargs), lambda a: self.get(t.replica, a.name, d))
+                args = [self.get(t.replica, a, d) if isinstance(a, str) else a for a in args]
+                whole = map_arg(n.args, lambda a: a.meta.get("val"))
+                env[f"{t.head}#{k}"] = run_part(n.target, args, on_device(kwargs, device), dim, k, parts,
+                                                given=[pos for pos, _ in t.given], whole=whole)
+            for name, cut in t.views:  # the views of the part that chained parts read
+                v = self.nodes[name]
+                env[f"{name}#{k}"] = view_part(v, env[f"{v.args[0].name}#{k}"], cut)
             return
         if t.kind == SHARD:  # this replica's rows of the parameter, its mean gradient and its state
             _, k, parts = t.part
@@ -383,7 +386,7 @@ def written(seg: Segment) -> tuple[str, ...]:
     t = seg.tasks[0]
     if t.kind == SHARD:
         return t.nodes
-    return (f"{t.head}#{t.part[1]}",) if t.kind == PART else (t.head, *t.nodes)
+    return part_names(t) if t.kind == PART else (t.head, *t.nodes)
 
 
 def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

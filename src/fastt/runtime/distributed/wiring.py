@@ -11,8 +11,8 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import TreeSpec
 
 from ...errors import FasttError
-from ...lower import JOIN, PART, Lowered, Task, part_reads
-from ...split import run_part
+from ...lower import JOIN, PART, Lowered, Task, part_names, part_reads
+from ...split import run_part, view_part
 from ..programs import Programs, Segment
 from .collectives import Bounds, ReduceCall, frozen, order_collectives
 from .packing import Leaf
@@ -116,7 +116,7 @@ class _Post:
 def _produced(t: Task) -> tuple[str, ...]:
     """The values a task writes into its replica's table."""
     if t.kind == PART:
-        return (f"{t.head}#{t.part[1]}",)
+        return part_names(t)
     if t.kind == JOIN:
         return (t.head, *t.nodes)
     return t.nodes
@@ -143,7 +143,7 @@ def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
     vals = {n.name: n.meta.get("val") for n in programs.nodes.values()}
     fake = detect_fake_mode([v for v in vals.values() if isinstance(v, torch.Tensor)])
     out = {}
-    parts = {f"{t.head}#{t.part[1]}": t for prog in low.programs for t in prog if t.kind == PART}
+    parts = {name: t for prog in low.programs for t in prog if t.kind == PART for name in part_names(t)}
     for name in names:
         if name in out:
             continue
@@ -155,7 +155,11 @@ def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
             n = programs.nodes[t.head]
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: vals[a.name])
             with fake:
-                v = run_part(n.target, args, kwargs, *t.part)
+                made = {t.head: run_part(n.target, args, kwargs, *t.part)}
+                for view, cut in t.views:  # the views of the part its chained readers read
+                    node = programs.nodes[view]
+                    made[view] = view_part(node, made[node.args[0].name], cut)
+            v = made[name.rsplit("#", 1)[0]]
         else:
             v = vals.get(name)
         flat, spec = torch.utils._pytree.tree_flatten(v)
