@@ -14,12 +14,14 @@ from hypothesis import strategies as st
 import fastt
 from fastt import zoo
 from fastt.errors import FasttError
+from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.portfolio import with_chains
 from fastt.runtime import parallelize
 from fastt.runtime.reference import eager_step, max_param_rel_diff, take_state
+from fastt.shard import sharded_residents
 from fastt.simulate import simulate_plan
-from fastt.split import chain, chain_links, graph_for, split, splittable
+from fastt.split import chain, chain_links, chain_update, graph_for, split, splittable, update_link
 from fastt.strategy import Split, Strategy
 
 CL = fastt.cluster("cpu:2")
@@ -143,3 +145,56 @@ def test_a_bert_mlp_chains_through_its_reshapes_and_trains_as_eager() -> None:
         torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
                                    atol=1e-6)
         assert max_param_rel_diff(ref[0], model) <= 1e-5
+
+
+# Tensor parallelism of the mlp's first two layers, as Megatron's MLP: layers.0 by its output features
+# (column-parallel: its weight's rows), layers.3 by its input features (row-parallel: its weight's columns),
+# each weight's gradient made by parts and each part updating its rows or columns where it was made.
+TP_SPLITS = tuple(Split(a, b, 2) for a, b in [
+    ("addmm", "cols"), ("relu", "dim1"), ("addmm_1", "reduction"),  # forward
+    ("mm_4", "cols"), ("threshold_backward_2", "dim1"),  # the input gradients, through relu
+    ("mm_6", "rows"), ("sum_4", "dim1"), ("mm_5", "cols")])  # layers.0's weight and bias, layers.3's weight
+TP_CHAINED = ("relu", "addmm_1", "threshold_backward_2", "mm_6", "sum_4", "mm_5", "update:layers.0.weight",
+              "update:layers.0.bias", "update:layers.3.weight")
+
+
+def _tensor_parallel(g: fastt.OpGraph) -> Strategy:
+    """Part k of every split on device k, the rest on device 0."""
+    s = dataclasses.replace(fastt.plan(g, CL, "single"), splits=TP_SPLITS, chained=TP_CHAINED)
+    split_g = graph_for(g, s)
+    return dataclasses.replace(strategy_from(split_g, "tp", 2, [op.split[1] if op.split else 0
+                                                                 for op in split_g.ops]),
+                               splits=TP_SPLITS, chained=TP_CHAINED)
+
+
+def test_a_tensor_parallel_mlp_holds_each_weight_once_and_trains_as_eager() -> None:
+    model, loss_fn, opt, inputs = _make()
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    s = _tensor_parallel(g)
+    split_g = graph_for(g, s)
+    held = {split_g.ops[r].name for r in sharded_residents(split_g)}
+    assert held == {f"{kind}:layers.{i}.{p}{state}" for i, p in ((0, "weight"), (0, "bias"), (3, "weight"))
+                    for kind, state in (("param", ""), ("state", ":momentum_buffer"))}
+    assert "mm_6#join" not in split_g.index and "update:layers.0.weight" not in split_g.index
+    one, tp = simulate_plan(g, fastt.plan(g, CL, "single"), CL), simulate_plan(g, s, CL)
+    w = sum(p.numel() * 4 for name, p in model.named_parameters() if name in ("layers.0.weight",
+                                                                               "layers.3.weight"))
+    # each device holds half of both weights and their momentum: the one device's peak less about 2 x w/2
+    assert max(tp.peak_memory_bytes) < one.peak_memory_bytes[0] - 0.8 * w
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
+    ref = _make()
+    for _ in range(4):
+        take_state(model, opt, ref[0], ref[2])
+        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
+                                   atol=1e-6)
+        assert max_param_rel_diff(ref[0], model) <= 1e-5
+    torch.testing.assert_close(opt.state_dict()["state"][0]["momentum_buffer"],
+                               ref[2].state_dict()["state"][0]["momentum_buffer"], rtol=1e-5, atol=1e-7)
+
+
+def test_an_update_whose_gradient_is_not_split_does_not_chain(mlp) -> None:
+    g = graph_for(mlp, dataclasses.replace(fastt.plan(mlp, CL, "single"), splits=TP_SPLITS))
+    assert update_link(g, "update:layers.0.weight") is not None
+    assert update_link(g, "update:layers.3.bias") is None  # its gradient, sum_3, is whole
+    with pytest.raises(FasttError, match="'update:layers.3.bias' cannot be chained"):
+        chain_update(g, "update:layers.3.bias")

@@ -160,6 +160,7 @@ CASES: list[tuple[Any, Case]] = [
     (aten.mean.dim, lambda: ([r(N, C, 4, 4), [-1, -2], True], {})),
     (aten.mean.dim, lambda: ([r(N, C, 4), [2]], {})),
     (aten.sum.dim_IntList, lambda: ([r(N, C), [0]], {})),
+    (aten.sum.dim_IntList, lambda: ([r(N, C), [0], True], {})),  # a bias gradient, split along dim1
     (aten.sum.dim_IntList, lambda: ([r(N, C, 3), [2], True], {})),
     (aten.nll_loss_forward.default, _NLL_SUM),
     (aten.nll_loss_backward.default, _NLL_SUM_BWD),

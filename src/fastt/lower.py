@@ -10,7 +10,7 @@ nodes) are read into every replica's table before the step, as every device has 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
@@ -19,7 +19,7 @@ from .capture import Step
 from .errors import FasttError
 from .graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph, loss_weights, replica_of
 from .loss import ONE, ReplicaWeights
-from .shard import ALL_GATHER
+from .shard import ALL_GATHER, CUTS
 from .split import alias_path, graph_for, rule
 from .strategy import Strategy
 
@@ -42,6 +42,8 @@ class Task:
     given: tuple[tuple[int, str], ...] = ()  # a part's (arg position, value): its producer's part (a chain)
     views: tuple[tuple[str, int], ...] = ()  # a part's view nodes its chained readers read, each on its part
     # (`split.view_part`), with the dim its input is cut along
+    renamed: tuple[tuple[str, str], ...] = ()  # a chained update part: value it reads -> the part it reads
+    tag: str = ""  # appended to the names of the values it writes ("#k": a chained update's part k)
 
 
 def part_names(t: Task) -> tuple[str, ...]:
@@ -63,18 +65,23 @@ class Lowered:
     # constants, alias nodes of residents and inputs (views of a parameter): run first
     prelude: tuple[str, ...] = ()
     weights: ReplicaWeights = ONE  # each replica's loss weight (`fastt.loss`)
+    # results of chained updates (a new parameter or state): name -> (dim, parts) its parts `name#k` join on
+    # (dim -1: each part computes it whole, Adam's step count)
+    joined: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _task(g: OpGraph, i: int, call_nodes: set[str], nodes: dict[str, fx.Node],
-          views: dict[int, dict[str, int]]) -> Task:
+          views: dict[int, dict[str, int]], renamed: dict[int, dict[str, str]]) -> Task:
     op = g.ops[i]
     waits = tuple(j for j in dict.fromkeys(op.inputs) if g.ops[j].kind not in RESIDENT
                   and g.ops[j].kind != INPUT)
     r = replica_of(op.name)
     if op.kind == UPDATE and op.split:  # replica r's rows of a sharded update; `head`: the parameter's node
         param = next(g.ops[u] for u in op.updates if g.ops[u].kind == PARAM)
+        reads = renamed.get(i, {})  # a chained update's part reads its gradient's part
         return Task(i, op.name, SHARD, r, tuple(n for n in op.nodes if n in call_nodes), head=param.nodes[0],
-                    part=op.split, waits=waits)
+                    part=op.split, waits=waits, renamed=tuple(reads.items()),
+                    tag=f"#{op.split[1]}" if reads else "")
     if op.split:
         args = nodes[op.head].args
         given = tuple((pos, f"{args[pos].name}#{g.ops[op.inputs[j]].split[1]}")
@@ -120,23 +127,35 @@ def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(read))
 
 
-def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> dict[int, dict[str, int]]:
+def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> tuple[dict[int, dict[str, int]],
+                                                                    dict[int, dict[str, str]]]:
     """For each producer part (by op index): the view nodes of its head that chained parts read, in graph
-    order, each with the dim its input is cut along (`split.alias_path`)."""
-    out: dict[int, dict[str, int]] = {}
-    for op in g.ops:
-        if not op.split or op.kind != COMPUTE:
+    order, each with the dim its input is cut along (`split.alias_path`); and for each chained update part:
+    the value it reads -> the name of that value's part k."""
+    views: dict[int, dict[str, int]] = {}
+    renamed: dict[int, dict[str, str]] = {}
+    for i, op in enumerate(g.ops):
+        if not op.split:
             continue
-        args = nodes[op.head].args
-        for pos, j in enumerate(op.arg_inputs):
-            p = g.ops[op.inputs[j]] if j >= 0 else None
-            if p is None or not p.split:
+        if op.kind == COMPUTE:
+            args = nodes[op.head].args
+            reads = [(args[pos], j) for pos, j in enumerate(op.arg_inputs) if j >= 0]
+        else:  # an update's part: what its nodes read from outside it
+            reads = [(x, j) for n in op.nodes for x in nodes[n].all_input_nodes if x.name not in op.nodes
+                     for j in range(len(op.inputs))]
+        for a, j in reads:
+            p = g.ops[op.inputs[j]]
+            if not p.split or p.kind != COMPUTE:
                 continue
             head = nodes[p.head]
-            d = rule(p.target, p.split[0]).outs[0][1] % head.meta["val"].dim()
-            for v, dv in alias_path(head, args[pos], d):
-                out.setdefault(op.inputs[j], {})[v.name] = dv
-    return out
+            path = alias_path(head, a, rule(p.target, p.split[0]).outs[0][1] % head.meta["val"].dim())
+            if path is None:
+                continue
+            for v, dv in path:
+                views.setdefault(op.inputs[j], {})[v.name] = dv
+            if op.kind != COMPUTE:
+                renamed.setdefault(i, {})[a.name] = f"{a.name}#{p.split[1]}"
+    return views, renamed
 
 
 def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
@@ -148,8 +167,8 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
         raise FasttError(f"graph '{graph.name}' was not captured from a model: there is nothing to run")
     nodes = {n.name: n for n in step.gm.graph.nodes}
     call_nodes = {name for name, n in nodes.items() if n.op == "call_function"}
-    views = _chained_views(g, nodes)
-    programs = tuple(tuple(_task(g, g.index[name], call_nodes, nodes, views) for name in order
+    views, renamed = _chained_views(g, nodes)
+    programs = tuple(tuple(_task(g, g.index[name], call_nodes, nodes, views, renamed) for name in order
                            if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
     # A sharded update's all-gather is read by no op of the step: the runtime joins the rows at its end.
     allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops)
@@ -159,5 +178,9 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
                                                  for n in op.nodes if n in call_nodes)]))
     order = {name: k for k, name in enumerate(nodes)}
     weights = loss_weights(graph, g, strategy.replicas)
+    results = {x.name for x in next(n for n in nodes.values() if n.op == "output").args[0]}
+    joined = {n: (CUTS[g.ops[i].split[0]] if nodes[n].meta["val"].shape == nodes[t.head].meta["val"].shape
+                  else -1, g.ops[i].split[2])
+              for prog in programs for t in prog if t.tag for i in [t.op] for n in t.nodes if n in results}
     return Lowered(graph=g, step=step, replicas=strategy.replicas, programs=programs, allreduces=allreduces,
-                   prelude=tuple(sorted(prelude, key=order.__getitem__)), weights=weights)
+                   prelude=tuple(sorted(prelude, key=order.__getitem__)), weights=weights, joined=joined)

@@ -30,6 +30,7 @@ from .graph import ALLREDUCE, PARAM, STATE, UPDATE, Op, OpGraph, base_name, repl
 
 REDUCE_SCATTER, ALL_GATHER = "reducescatter", "allgather"  # targets of ALLREDUCE-kind ops
 ROWS = "rows"
+CUTS = {ROWS: 0, "cols": 1}  # a sharded update's split names the parameter's dim its parts cut
 
 _BY_NAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -38,7 +39,8 @@ _BY_NAME: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SAFE_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
-def _param_of(g: OpGraph, op: Op) -> Op | None:
+def param_of(g: OpGraph, op: Op) -> Op | None:
+    """The parameter update `op` writes, if any."""
     return next((g.ops[u] for u in op.updates if g.ops[u].kind == PARAM), None)
 
 
@@ -52,7 +54,7 @@ def _nodes(g: OpGraph) -> dict[str, torch.fx.Node]:
     return _BY_NAME[gm]
 
 
-def _shape(g: OpGraph, op: Op) -> torch.Size | None:
+def shape_of(g: OpGraph, op: Op) -> torch.Size | None:
     """The shape of a resident op's value in the captured step, if the graph carries its capture."""
     node = _nodes(g).get(op.nodes[0]) if op.nodes else None
     val = node.meta.get("val") if node is not None else None
@@ -64,7 +66,7 @@ def _rows_of(g: OpGraph, resident: Op, param: Op, shape: torch.Size | None) -> b
     step counter)."""
     if shape is None:  # a graph built by hand: by size
         return resident.out_bytes == param.out_bytes
-    return _shape(g, resident) == shape
+    return shape_of(g, resident) == shape
 
 
 def shares(rows: int, parts: int) -> list[float]:
@@ -72,19 +74,20 @@ def shares(rows: int, parts: int) -> list[float]:
     return [len(r) / rows for r in torch.tensor_split(torch.arange(rows), parts)]
 
 
-def shardable(g: OpGraph, i: int, parts: int) -> str:
-    """Why update op i cannot be sharded into `parts` parts ("" when it can): it updates one parameter with at
-    least `parts` rows, every node of it is elementwise over the parameter, and its gradient's allreduce
-    feeds nothing but copies of it."""
+def shardable(g: OpGraph, i: int, parts: int, dim: int = 0) -> str:
+    """Why update op i cannot be sharded into `parts` parts along its parameter's dim `dim` ("" when it can):
+    it updates one parameter with at least `parts` rows (or columns), every node of it is elementwise over
+    the parameter, and its gradient's allreduce feeds nothing but copies of it."""
     op = g.ops[i]
-    param = _param_of(g, op)
+    param = param_of(g, op)
     if op.kind != UPDATE or param is None:
         return f"'{op.name}' updates no parameter"
     nodes = _nodes(g)
     if nodes:
-        shape = _shape(g, param)
-        if shape is None or len(shape) == 0 or shape[0] < parts:
-            return f"'{param.name}' has fewer than {parts} rows"
+        shape = shape_of(g, param)
+        if shape is None or len(shape) <= dim or shape[dim] < parts:
+            what = "rows" if dim == 0 else f"entries along dim {dim}"
+            return f"'{param.name}' has fewer than {parts} {what}"
         for name in op.nodes:
             n = nodes[name]
             val = n.meta.get("val")
@@ -123,30 +126,42 @@ def shard_updates(g: OpGraph, names: Sequence[str]) -> OpGraph:
         why = shardable(g, idx[0], parts)
         if why:
             raise FasttError(f"cannot shard '{name}': {why}")
-        param = _param_of(g, g.ops[idx[0]])
-        shape = _shape(g, param)
+        param = param_of(g, g.ops[idx[0]])
+        shape = shape_of(g, param)
         share = shares(shape[0], parts) if shape is not None else [1 / parts] * parts
         cut = {u for u in g.ops[idx[0]].updates if _rows_of(g, g.ops[u], param, shape)}
         for i in idx:
             op, k = g.ops[i], replica_of(g.ops[i].name)
-            s = share[k]
             for j in op.inputs:
                 if g.ops[j].kind == ALLREDUCE and g.ops[j].target != REDUCE_SCATTER:
                     a = g.ops[j]
                     ops[j] = replace(a, target=REDUCE_SCATTER, out_bytes=round(a.out_bytes * max(share)))
                     cut.add(j)
-            out_parts = tuple(round(b * s) for b in op.out_parts)
-            ops[i] = replace(op, split=(ROWS, k, parts), flops=op.flops * s, io_bytes=round(op.io_bytes * s),
-                             out_bytes=sum(out_parts) if out_parts else round(op.out_bytes * s),
-                             out_parts=out_parts, temp_bytes=round(op.temp_bytes * s),
-                             in_bytes=tuple(round(b * s) if j in cut else b
-                                            for j, b in zip(op.inputs, op.in_bytes)))
+            ops[i] = update_part(op, (ROWS, k, parts), share[k], cut)
         by_replica = sorted(idx, key=lambda i: replica_of(g.ops[i].name))
         gathers.append(Op(name=f"{ALL_GATHER}/{name}", kind=ALLREDUCE, target=ALL_GATHER,
                           inputs=tuple(by_replica),
                           in_bytes=tuple(round(param.out_bytes * share[k]) for k in range(parts)),
                           out_bytes=param.out_bytes, io_bytes=2 * param.out_bytes))
     return replace(g, ops=tuple(ops) + tuple(gathers))
+
+
+def update_part(op: Op, split: tuple[str, int, int], share: float, cut: set[int], name: str = "") -> Op:
+    """Part `split` of update `op`: its work and results scaled by its `share` of the parameter, and so what
+    it reads of the inputs `cut` (the parameter, its state, its gradient)."""
+    out_parts = tuple(round(b * share) for b in op.out_parts)
+    in_bytes = tuple(round(b * share) if j in cut else b for j, b in zip(op.inputs, op.in_bytes))
+    return replace(op, name=name or op.name, split=split, flops=op.flops * share,
+                   io_bytes=round(op.io_bytes * share), in_bytes=in_bytes,
+                   out_bytes=sum(out_parts) if out_parts else round(op.out_bytes * share),
+                   out_parts=out_parts, temp_bytes=round(op.temp_bytes * share))
+
+
+def rows_of(g: OpGraph, update: Op) -> set[int]:
+    """The residents update `update` writes that have its parameter's shape (its state; not Adam's step)."""
+    param = param_of(g, update)
+    shape = shape_of(g, param)
+    return {u for u in update.updates if _rows_of(g, g.ops[u], param, shape)}
 
 
 def held(g: OpGraph, holders: Mapping[int, Sequence[int]], device_of: Sequence[int], n: int) -> list[int]:
@@ -167,12 +182,14 @@ def held(g: OpGraph, holders: Mapping[int, Sequence[int]], device_of: Sequence[i
 
 
 def sharded_residents(g: OpGraph) -> dict[int, int]:
-    """Optimizer state a sharded update writes (resident index -> parts): each part's device holds only its
-    rows. The parameter itself is held whole, as its readers read it."""
+    """Residents a sharded update writes of which each part's device holds only its rows (resident index ->
+    parts): its optimizer state, and the parameter itself where every op reads only a part of it (a tensor-
+    parallel layer's weight, `split.chain_update`; under ZeRO the forward reads it whole)."""
     out: dict[int, int] = {}
     for op in g.ops:
         if op.kind == UPDATE and op.split:
+            chained = any(g.ops[j].split and g.ops[j].kind != UPDATE for j in op.inputs)  # a gradient's part
             for j, b in zip(op.inputs, op.in_bytes):
-                if g.ops[j].kind == STATE and b < g.ops[j].out_bytes:
+                if b < g.ops[j].out_bytes and (g.ops[j].kind == STATE or chained and g.ops[j].kind == PARAM):
                     out[j] = op.split[2]
     return out

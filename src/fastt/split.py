@@ -26,8 +26,8 @@ from torch.fx import GraphModule, Node
 
 from .coarsen import ALIAS
 from .errors import FasttError
-from .graph import COMPUTE, Op, OpGraph, data_parallel_graph, without, without_unplaced_updates
-from .shard import shard_updates
+from .graph import COMPUTE, UPDATE, Op, OpGraph, data_parallel_graph, without, without_unplaced_updates
+from .shard import CUTS, param_of, rows_of, shape_of, shard_updates, shardable, shares, update_part
 from .strategy import Strategy
 
 aten = torch.ops.aten
@@ -80,8 +80,14 @@ def _not_reduced(d: int, arg: int) -> Valid:
 
 
 def _before_reduced(d: int) -> Valid:
-    """Valid when every dim reduced by mean/sum (arg 1; None = all) comes after `d`."""
-    return lambda a, kw: all(_norm(r, a[0].dim()) > d for r in (_arg(a, 1) or range(a[0].dim())))
+    """Valid when mean/sum (arg 1: the dims reduced, None = all; arg 2: keepdim) does not reduce `d` and
+    leaves it at index d: every reduced dim comes after it, or they are kept (a bias gradient,
+    `sum(g, [0], True)`, split along dim1)."""
+    def ok(a: Sequence[Any], kw: dict[str, Any]) -> bool:
+        reduced = [_norm(r, a[0].dim()) for r in (_arg(a, 1) or range(a[0].dim()))]
+        kept = bool(_arg(a, 2, kw.get("keepdim", False)))
+        return d not in reduced and (kept or all(r > d for r in reduced))
+    return ok
 
 
 def _is(pos: int, value: object, default: object) -> Valid:
@@ -487,11 +493,13 @@ def _parts_of(graph: OpGraph, op: str) -> list[int]:
 
 
 def _step_outputs(graph: OpGraph) -> set[str]:
+    """The results of the step the runtimes keep: its loss, new parameters and state (not the gradients)."""
     gm = getattr(graph.fx, "gm", None)
     if gm is None:
         return set()
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return {a.name for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, Node)}
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    n = len(graph.fx.param_names)
+    return {a.name for a in [out[0], *out[1 + n:]] if isinstance(a, Node)}
 
 
 _SAME = {aten.detach.default, aten.alias.default}
@@ -595,6 +603,83 @@ def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
     return out
 
 
+def update_link(graph: OpGraph, name: str) -> tuple[int, list[int], str, int] | None:
+    """Whether update `name` can be split into the parts of the weight-gradient op it reads (tensor
+    parallelism: part k of the gradient stays where it was made and updates its rows, or columns, of the
+    parameter and its state there): (its input position j, the gradient op's parts, the gradient node it
+    reads, the parameter dim they cut), or None. Exact when the gradient op's one result is concatenated
+    along a dim that the gradient the update reads (that result or a view of it keeping the cut,
+    `alias_path`) has as the parameter's dim 0 or 1, and the update is elementwise over the parameter
+    (`shard.shardable`)."""
+    i = graph.index.get(name)
+    u = graph.ops[i] if i is not None else None
+    param = param_of(graph, u) if u is not None and u.kind == UPDATE and not u.split else None
+    shape = shape_of(graph, param) if param is not None else None
+    if shape is None:
+        return None
+    for j, src in enumerate(u.inputs):
+        join_op = graph.ops[src]
+        if not join_op.target.startswith("join:"):
+            continue
+        p = graph.ops[join_op.inputs[0]]
+        pnode = _fx_node(graph, p.head)
+        how = rule(p.target, p.split[0]).outs[0]
+        if pnode is None or how[0] != "cat" or not isinstance(pnode.meta.get("val"), torch.Tensor):
+            continue
+        d = how[1] % pnode.meta["val"].dim()
+        read = {a for n in u.nodes for a in _fx_node(graph, n).all_input_nodes
+                if a is pnode or a.name in join_op.nodes}
+        if len(read) != 1:
+            continue
+        a = read.pop()
+        path = alias_path(pnode, a, d)
+        cut = cut_after(path, d) if path is not None else None
+        if cut in CUTS.values() and a.meta["val"].shape == shape \
+                and not shardable(graph, i, len(join_op.inputs), cut):
+            return j, list(join_op.inputs), a.name, cut
+    return None
+
+
+def chain_update(graph: OpGraph, name: str) -> OpGraph:
+    """The split graph with update `name` split into one part per part of its weight-gradient op
+    (`update_link`): part k, `name#k`, reads gradient part k and updates those rows (or columns) of the
+    parameter and its state, which only that part's device needs to hold (`shard.sharded_residents`); the
+    gradient's join goes if nothing else reads it. FasttError if the update does not chain."""
+    link = update_link(graph, name)
+    if link is None:
+        raise FasttError(f"update '{name}' cannot be chained to its gradient's parts: its gradient is not a "
+                         "split op's result cut along the parameter's dim 0 or 1, or the update is not "
+                         "elementwise over the parameter")
+    j, producers, _, d = link
+    at, parts = graph.index[name], len(producers)
+    u = graph.ops[at]
+    share = shares(shape_of(graph, param_of(graph, u))[d], parts)
+    cut = rows_of(graph, u)
+    subs = []
+    for k, src in enumerate(producers):
+        ins, in_b = list(u.inputs), list(u.in_bytes)
+        ins[j], in_b[j] = src, graph.ops[src].out_bytes
+        part = replace(u, inputs=tuple(ins), in_bytes=tuple(in_b))
+        subs.append(update_part(part, (next(c for c, x in CUTS.items() if x == d), k, parts), share[k], cut,
+                                name=f"{name}#{k}"))
+
+    def moved(o: Op) -> Op:
+        if all(x < at for x in o.inputs) and all(x < at for x in o.updates):
+            return o
+        return replace(o, inputs=tuple(x + parts - 1 if x > at else x for x in o.inputs),
+                       updates=tuple(x + parts - 1 if x > at else x for x in o.updates))
+    g = replace(graph, ops=graph.ops[:at] + tuple(subs) + tuple(moved(o) for o in graph.ops[at + 1:]))
+    return _without_unread(g, {u.inputs[j]})
+
+
+def _without_unread(g: OpGraph, joins: set[int]) -> OpGraph:
+    """`g` without the joins `joins` that nothing reads any more and the step does not return."""
+    outputs = _step_outputs(g)
+    gone = {i for i in joins if not g.succs[i] and not g.ops[i].returned
+            and not outputs & {g.ops[g.ops[i].inputs[0]].head, *g.ops[i].nodes}}
+    return without(g, gone)
+
+
 def chain(graph: OpGraph, op: str) -> OpGraph:
     """The split graph with split op `op`'s part k reading part k of each producer `chain_links` finds, not
     its join; a join nothing reads any more goes (unless the step returns it). FasttError if none chains."""
@@ -613,11 +698,7 @@ def chain(graph: OpGraph, op: str) -> OpGraph:
             if in_parts:
                 in_parts[j] = ()
         ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
-    g = replace(graph, ops=tuple(ops))
-    outputs = _step_outputs(g)
-    gone = {i for i in joins if not g.succs[i] and not g.ops[i].returned
-            and not outputs & {g.ops[g.ops[i].inputs[0]].head, *g.ops[i].nodes}}
-    return without(g, gone)
+    return _without_unread(replace(graph, ops=tuple(ops)), joins)
 
 
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
@@ -628,5 +709,6 @@ def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
     for s in strategy.splits:
         g = split(g, s.op, s.dim, s.parts)
     for name in strategy.chained:
-        g = chain(g, name)
+        update = name in g.index and g.ops[g.index[name]].kind == UPDATE  # a compute op is split by now
+        g = chain_update(g, name) if update else chain(g, name)
     return without_unplaced_updates(g, strategy.placement)

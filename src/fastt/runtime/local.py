@@ -35,6 +35,7 @@ from torch.fx.node import map_arg
 
 from ..errors import FasttError
 from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args, part_names
+from ..shard import CUTS
 from ..split import join, rule, run_part, view_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
@@ -289,17 +290,20 @@ class _Run:
                 env[f"{name}#{k}"] = view_part(v, env[f"{v.args[0].name}#{k}"], cut)
             return
         if t.kind == SHARD:  # this replica's rows of the parameter, its mean gradient and its state
-            _, k, parts = t.part
+            cut, k, parts = t.part
             shape = self.nodes[t.head].meta["val"].shape
+            renamed = dict(t.renamed)  # a chained update's part: its gradient's part
 
             def mine(a: fx.Node) -> object:
-                x = self.get(t.replica, a.name, d)
-                whole = isinstance(x, torch.Tensor) and x.shape == shape
-                return rows(x, parts, k) if whole else x
+                if a.name in t.nodes:
+                    return env[a.name + t.tag]
+                x = self.get(t.replica, renamed.get(a.name, a.name), d)
+                whole = isinstance(x, torch.Tensor) and x.shape == shape and a.name not in renamed
+                return rows(x, parts, k, CUTS[cut]) if whole else x
             for name in t.nodes:
                 n = self.nodes[name]
                 args, kwargs = map_arg((n.args, n.kwargs), mine)
-                env[name] = n.target(*args, **on_device(kwargs, device))
+                env[name + t.tag] = n.target(*args, **on_device(kwargs, device))
             return
         if t.kind == JOIN:
             dim, _, parts = self.low.graph.ops[t.waits[0]].split
@@ -385,7 +389,7 @@ def written(seg: Segment) -> tuple[str, ...]:
     """The values an interpreted segment (a split part or a join) writes to its replica's table."""
     t = seg.tasks[0]
     if t.kind == SHARD:
-        return t.nodes
+        return tuple(n + t.tag for n in t.nodes)
     return part_names(t) if t.kind == PART else (t.head, *t.nodes)
 
 
@@ -483,14 +487,20 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
             whole.copy_(written)
     out, n = programs.outputs, len(low.step.param_names)
     loss = weighted_loss(envs, programs, home)
-    new_params = [result(envs, programs, x, home) for x in out[1 + n:1 + 2 * n]]
-    new_states = [result(envs, programs, x, home) for x in out[1 + 2 * n:]]
+    new_params = [result(envs, programs, x, home, low.joined) for x in out[1 + n:1 + 2 * n]]
+    new_states = [result(envs, programs, x, home, low.joined) for x in out[1 + 2 * n:]]
     return loss, new_params, new_states
 
 
-def result(envs: Sequence[dict], programs: Programs, name: str, home: torch.device) -> torch.Tensor:
+def result(envs: Sequence[dict], programs: Programs, name: str, home: torch.device,
+           joined: dict[str, tuple[int, int]] | None = None) -> torch.Tensor:
     """The step's result `name` on `home`: replica 0's, or, made by a sharded update, every replica's rows
-    joined (the all-gather)."""
+    joined (the all-gather), or, made by a chained update (`joined`: its dim and parts), its parts joined."""
+    if joined and name in joined:
+        dim, parts = joined[name]
+        if dim < 0:  # every part computes it alike (Adam's step count)
+            return envs[0][f"{name}#0"].to(home)
+        return torch.cat([envs[0][f"{name}#{k}"].to(home) for k in range(parts)], dim)
     x, whole = envs[0][name], programs.nodes[name].meta.get("val")
     if isinstance(whole, torch.Tensor) and x.shape != whole.shape:
         return torch.cat([env[name].to(home) for env in envs])

@@ -25,7 +25,7 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import OpGraph
 from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower, part_reads
-from ..shard import REDUCE_SCATTER
+from ..shard import CUTS, REDUCE_SCATTER
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
@@ -86,12 +86,12 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
         local = values
         if t.kind == SHARD:  # its rows of what it reads with the parameter's shape (`fastt.shard`); the
             # reduce-scatter hands it only its rows of the mean already
-            shape, (_, k, parts) = nodes[t.head].meta["val"].shape, t.part
-            own, local = set(t.nodes) | given, {}
+            shape, (cut, k, parts) = nodes[t.head].meta["val"].shape, t.part
+            own, local = set(t.nodes) | given | {x for x, _ in t.renamed}, {}
             for x in dict.fromkeys(x for name in t.nodes for x in nodes[name].all_input_nodes):
                 val = x.meta.get("val")
                 if x.name not in own and isinstance(val, torch.Tensor) and val.shape == shape:
-                    local[x.name] = g.call_function(rows, (values[x.name], parts, k))
+                    local[x.name] = g.call_function(rows, (values[x.name], parts, k, CUTS[cut]))
         for name in t.nodes:
             values[name] = g.node_copy(nodes[name], lambda a, local=local: local.get(a.name, values[a.name]))
             values[name].kwargs = on_device(values[name].kwargs, device)
@@ -99,6 +99,10 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
     # AOTAutograd's calling convention: the code takes its inputs as one list and empties it, so an input
     # the caller gave up is freed after its last use inside the code, not when the code returns.
     g.set_codegen(fx.graph._BoxedCodeGen())
+    if tasks[0].tag:  # a chained update's part (alone in its segment): it reads and writes parts' names
+        ren = dict(tasks[0].renamed)
+        inputs = tuple(ren.get(x, x) for x in inputs)
+        outputs = tuple(x + tasks[0].tag for x in outputs)
     return inputs, outputs, fx.GraphModule(low.step.gm, g).forward
 
 
@@ -112,9 +116,9 @@ def scattered(low: Lowered) -> set[str]:
             for name in names} - whole
 
 
-def rows(x: torch.Tensor, parts: int, k: int) -> torch.Tensor:
-    """Part k of x's dim 0 cut into `parts`, as torch.tensor_split cuts it (a sharded update's rows)."""
-    return torch.tensor_split(x, parts)[k]
+def rows(x: torch.Tensor, parts: int, k: int, dim: int = 0) -> torch.Tensor:
+    """Part k of x's dim `dim` cut into `parts`, as torch.tensor_split cuts it (a sharded update's rows)."""
+    return torch.tensor_split(x, parts, dim)[k]
 
 
 class Writeback(NamedTuple):
@@ -208,7 +212,8 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
     placeholders = tuple(name for name, n in nodes.items() if n.op == "placeholder")
     outputs = tuple(x.name for x in next(n for n in nodes.values() if n.op == "output").args[0])
     n = len(low.step.param_names)
-    kept = frozenset([*placeholders, *low.prelude, outputs[0], *outputs[1 + n:]])
+    kept = frozenset([*placeholders, *low.prelude, outputs[0], *outputs[1 + n:],
+                      *(f"{x}#{k}" for x, (_, parts) in low.joined.items() for k in range(parts))])
     programs = []
     for d, program in enumerate(low.programs):
         runs: list[list[Task]] = []
@@ -218,7 +223,7 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
             # end of the backward. A run of updates waits for all its allreduces up front.
             joins = prev is not None and (not foreign[t.op] or gated(t) and gated(prev))
             if (not joins or t.kind not in CODE or prev.kind not in CODE or prev.op in handoffs
-                    or prev.replica != t.replica):
+                    or prev.replica != t.replica or t.tag or prev.tag):
                 runs.append([])
             runs[-1].append(t)
         segments = []

@@ -82,6 +82,10 @@ def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs
     if strategy.sharded:
         raise FasttError(f"the plan shards {len(strategy.sharded)} updates (the zero planner), which only "
                          "the local runtime runs so far: plan another way for torchrun ranks")
+    if any("update:" in name for name in strategy.chained):
+        raise FasttError("the plan updates tensor-parallel weights in parts (chained updates, the megatron "
+                         "planner), which only the local runtime runs so far: plan another way for torchrun "
+                         "ranks")
     placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     check_same(wiring)
