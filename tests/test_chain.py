@@ -51,6 +51,16 @@ def _plan(g: fastt.OpGraph, splits: tuple[Split, ...], replicas: int = 1) -> Str
     return with_chains(g, s) or s
 
 
+def _steps_as_eager(model, opt, step, ref: tuple, inputs: tuple, steps: int) -> None:
+    """`steps` steps, each from the same state as the eager reference's (the summed parts add in another
+    order than eager's sums)."""
+    for _ in range(steps):
+        take_state(model, opt, ref[0], ref[2])
+        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
+                                   atol=1e-6)
+        assert max_param_rel_diff(ref[0], model) <= 1e-5
+
+
 def test_a_chain_reads_the_producers_parts_and_drops_the_join_nothing_else_reads(mlp) -> None:
     s = _plan(mlp, BLOCK)
     assert s.chained == ("relu", "addmm_1", "mm_2")
@@ -76,11 +86,7 @@ def test_a_chained_mlp_block_trains_as_eager(optimizer: str, replicas: int) -> N
     assert len(s.chained) == 3
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
     ref = _make(optimizer)
-    for _ in range(5):  # each step from the same state: the summed parts add in another order than eager
-        take_state(model, opt, ref[0], ref[2])
-        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
-                                   atol=1e-6)
-        assert max_param_rel_diff(ref[0], model) <= 1e-5
+    _steps_as_eager(model, opt, step, ref, inputs, 5)
 
 
 def test_ops_that_do_not_chain_are_named(mlp) -> None:
@@ -140,11 +146,7 @@ def test_a_bert_mlp_chains_through_its_reshapes_and_trains_as_eager() -> None:
     assert split_g.ops[split_g.index["gelu#1"]].inputs == (split_g.index["addmm_4#1"],)
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
     ref = make()
-    for _ in range(3):
-        take_state(model, opt, ref[0], ref[2])
-        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
-                                   atol=1e-6)
-        assert max_param_rel_diff(ref[0], model) <= 1e-5
+    _steps_as_eager(model, opt, step, ref, inputs, 3)
 
 
 # Tensor parallelism of the mlp's first two layers, as Megatron's MLP: layers.0 by its output features
@@ -183,11 +185,7 @@ def test_a_tensor_parallel_mlp_holds_each_weight_once_and_trains_as_eager() -> N
     assert max(tp.peak_memory_bytes) < one.peak_memory_bytes[0] - 0.8 * w
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
     ref = _make()
-    for _ in range(4):
-        take_state(model, opt, ref[0], ref[2])
-        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
-                                   atol=1e-6)
-        assert max_param_rel_diff(ref[0], model) <= 1e-5
+    _steps_as_eager(model, opt, step, ref, inputs, 4)
     torch.testing.assert_close(opt.state_dict()["state"][0]["momentum_buffer"],
                                ref[2].state_dict()["state"][0]["momentum_buffer"], rtol=1e-5, atol=1e-7)
 
