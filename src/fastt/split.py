@@ -432,17 +432,6 @@ def _layout_by_bytes(op: Op, spec: SplitSpec, parts: int) -> _Layout:
     return _Layout((s,) * parts, (ins,) * parts, (out,) * parts, (io,) * parts)
 
 
-def _shifted(op: Op, at: int, parts: int) -> Op:
-    """`op` (after position `at`) with its indices moved past the `parts` new ops; reads of `at` go to the
-    join."""
-    if all(j < at for j in op.inputs) and all(u < at for u in op.updates):
-        return op
-
-    def move(j: int) -> int:
-        return j if j < at else j + parts
-    return replace(op, inputs=tuple(move(j) for j in op.inputs), updates=tuple(move(u) for u in op.updates))
-
-
 def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     """The graph with op `op` split into `parts` sub-ops `op#k` along `dim`, joined by `op#join` for its
     readers.
@@ -450,34 +439,57 @@ def split(graph: OpGraph, op: str, dim: str, parts: int) -> OpGraph:
     Sub-ops keep the op's target and head and record `split = (dim, k, parts)`; their FLOPs and bytes are the
     op's scaled by their share (a summed output stays whole). Runs in O(ops).
     """
-    if op not in graph.index:
-        raise FasttError(f"graph '{graph.name}' has no op '{op}'; split one of its ops by name")
-    at = graph.index[op]
-    o = graph.ops[at]
-    if o.kind != COMPUTE or o.split:
-        raise FasttError(f"op '{op}' is {'a part of a split' if o.split else f'a {o.kind} op'}: "
-                         "only unsplit compute ops split")
-    rules = RULES.get(_BY_NAME.get(o.target), {})
-    if dim not in rules:
-        raise FasttError(f"op '{op}' ({o.target}) cannot be split along '{dim}': "
-                         + (f"it splits along {sorted(rules)}" if rules
-                            else "only ops in fastt.split.RULES split"))
-    spec = rules[dim]
-    if not isinstance(parts, int) or parts < 2:
-        raise FasttError(f"op '{op}' cannot be split into {parts} parts: use 2 or more")
+    return split_all(graph, [(op, dim, parts)])
+
+
+def split_all(graph: OpGraph, splits: Sequence[tuple[str, str, int]]) -> OpGraph:
+    """The graph with every (op, dim, parts) of `splits` split as `split` splits one, in one O(ops) pass."""
+    want: dict[str, tuple[str, int]] = {}
+    for op, dim, parts in splits:
+        if op not in graph.index:
+            raise FasttError(f"graph '{graph.name}' has no op '{op}'; split one of its ops by name")
+        o = graph.ops[graph.index[op]]
+        if o.kind != COMPUTE or o.split or op in want:
+            what = "a part of a split" if o.split else "split twice" if op in want else f"a {o.kind} op"
+            raise FasttError(f"op '{op}' is {what}: only unsplit compute ops split, once")
+        rules = RULES.get(_BY_NAME.get(o.target), {})
+        if dim not in rules:
+            raise FasttError(f"op '{op}' ({o.target}) cannot be split along '{dim}': "
+                             + (f"it splits along {sorted(rules)}" if rules
+                                else "only ops in fastt.split.RULES split"))
+        if not isinstance(parts, int) or parts < 2:
+            raise FasttError(f"op '{op}' cannot be split into {parts} parts: use 2 or more")
+        want[op] = (dim, parts)
+    if not want:
+        return graph
+    ops: list[Op] = []
+    new = [0] * len(graph.ops)  # each op's index in the new graph (a split op's: its join's)
+    for i, o in enumerate(graph.ops):
+        ins, ups = tuple(new[j] for j in o.inputs), tuple(new[u] for u in o.updates)
+        o = o if ins == o.inputs and ups == o.updates else replace(o, inputs=ins, updates=ups)
+        if o.name in want:
+            ops += _parts(graph, o, *want[o.name], at=len(ops))
+        else:
+            ops.append(o)
+        new[i] = len(ops) - 1
+    return OpGraph(ops=tuple(ops), name=graph.name, batch=graph.batch, fx=graph.fx, replicas=graph.replicas,
+                   fx_nodes=graph.fx_nodes)
+
+
+def _parts(graph: OpGraph, o: Op, dim: str, parts: int, at: int) -> list[Op]:
+    """Op `o`'s parts and their join, the first at index `at` of the new graph."""
+    spec = RULES[_BY_NAME.get(o.target)][dim]
     lay = _layout(graph, o, dim, parts)
-    subs = tuple(replace(o, name=f"{op}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
-                         flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,),
-                         signature="", split=(dim, k, parts), out_parts=(), returned=())
-                 for k in range(parts))  # a part's results are one storage; the join makes the op's
+    subs = [replace(o, name=f"{o.name}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
+                    flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,), signature="",
+                    split=(dim, k, parts), out_parts=(), returned=())
+            for k in range(parts)]  # a part's results are one storage; the join makes the op's
     kinds = {h[0] for h in spec.outs}
-    join_op = Op(name=f"{op}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
+    join_op = Op(name=f"{o.name}#join", kind=COMPUTE, target="join:" + ("+".join(sorted(kinds))),
                  inputs=tuple(range(at, at + parts)), in_bytes=lay.out_bytes, out_bytes=o.out_bytes,
                  io_bytes=sum(lay.out_bytes) + o.out_bytes, nodes=tuple(n for n in o.nodes if n != o.head),
                  batch=o.batch, out_parts=o.out_parts, returned=o.returned)
-    rest = tuple(_shifted(x, at, parts) for x in graph.ops[at + 1:])
-    return OpGraph(ops=graph.ops[:at] + subs + (join_op,) + rest, name=graph.name, batch=graph.batch,
-                   fx=graph.fx, replicas=graph.replicas, fx_nodes=graph.fx_nodes)
+    return [*subs, join_op]
 
 
 # ---- split chains
@@ -645,31 +657,68 @@ def chain_update(graph: OpGraph, name: str) -> OpGraph:
     (`update_link`): part k, `name#k`, reads gradient part k and updates those rows (or columns) of the
     parameter and its state, which only that part's device needs to hold (`shard.sharded_residents`); the
     gradient's join goes if nothing else reads it. FasttError if the update does not chain."""
-    link = update_link(graph, name)
-    if link is None:
-        raise FasttError(f"update '{name}' cannot be chained to its gradient's parts: its gradient is not a "
-                         "split op's result cut along the parameter's dim 0 or 1, or the update is not "
-                         "elementwise over the parameter")
+    return chain_all(graph, [name])
+
+
+def chain(graph: OpGraph, op: str) -> OpGraph:
+    """The split graph with split op `op`'s part k reading part k of each producer `chain_links` finds, not
+    its join; a join nothing reads any more goes (unless the step returns it). FasttError if none chains."""
+    return chain_all(graph, [op])
+
+
+def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
+    """`chain` of every split op and `chain_update` of every update in `names`, in one O(ops) pass."""
+    ops, joins, updates = list(graph.ops), set(), {}
+    for name in names:
+        i = graph.index.get(name)
+        if i is not None and graph.ops[i].kind == UPDATE:
+            link = update_link(graph, name)
+            if link is None:
+                raise FasttError(f"update '{name}' cannot be chained to its gradient's parts: its gradient "
+                                 "is not a split op's result cut along the parameter's dim 0 or 1, or the "
+                                 "update is not elementwise over the parameter")
+            updates[i] = link
+            joins.add(graph.ops[i].inputs[link[0]])
+            continue
+        links = chain_links(graph, name)
+        if not links:
+            raise FasttError(f"op '{name}' cannot be chained: it is not split, or no input of it is a split "
+                             "op cut the way it slices that input")
+        mine = _parts_of(graph, name)
+        joins |= {graph.ops[mine[0]].inputs[j] for j in links}
+        for k, i in enumerate(mine):
+            o = ops[i]
+            ins, in_b, in_parts = list(o.inputs), list(o.in_bytes), list(o.in_parts)
+            for j, producers in links.items():
+                ins[j], in_b[j] = producers[k], graph.ops[producers[k]].out_bytes
+                if in_parts:
+                    in_parts[j] = ()
+            ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
+    if updates:
+        out: list[Op] = []
+        new = [0] * len(ops)
+        for i, o in enumerate(ops):
+            ins, ups = tuple(new[j] for j in o.inputs), tuple(new[u] for u in o.updates)
+            o = o if ins == o.inputs and ups == o.updates else replace(o, inputs=ins, updates=ups)
+            out += _update_parts(graph, o, updates[i], new) if i in updates else [o]
+            new[i] = len(out) - 1
+        ops, joins = out, {new[j] for j in joins}
+    return _without_unread(replace(graph, ops=tuple(ops)), joins)
+
+
+def _update_parts(graph: OpGraph, u: Op, link: tuple[int, list[int], str, int], new: list[int]) -> list[Op]:
+    """Update `u`'s parts (`chain_update`), its producers' indices read through `new` (old -> new index)."""
     j, producers, _, d = link
-    at, parts = graph.index[name], len(producers)
-    u = graph.ops[at]
-    share = shares(shape_of(graph, param_of(graph, u))[d], parts)
-    cut = rows_of(graph, u)
-    subs = []
+    share = shares(shape_of(graph, param_of(graph, graph.ops[graph.index[u.name]]))[d], len(producers))
+    cut = {new[r] for r in rows_of(graph, graph.ops[graph.index[u.name]])}
+    parts = []
     for k, src in enumerate(producers):
         ins, in_b = list(u.inputs), list(u.in_bytes)
-        ins[j], in_b[j] = src, graph.ops[src].out_bytes
-        part = replace(u, inputs=tuple(ins), in_bytes=tuple(in_b))
-        subs.append(update_part(part, (next(c for c, x in CUTS.items() if x == d), k, parts), share[k], cut,
-                                name=f"{name}#{k}"))
-
-    def moved(o: Op) -> Op:
-        if all(x < at for x in o.inputs) and all(x < at for x in o.updates):
-            return o
-        return replace(o, inputs=tuple(x + parts - 1 if x > at else x for x in o.inputs),
-                       updates=tuple(x + parts - 1 if x > at else x for x in o.updates))
-    g = replace(graph, ops=graph.ops[:at] + tuple(subs) + tuple(moved(o) for o in graph.ops[at + 1:]))
-    return _without_unread(g, {u.inputs[j]})
+        ins[j], in_b[j] = new[src], graph.ops[src].out_bytes
+        parts.append(update_part(replace(u, inputs=tuple(ins), in_bytes=tuple(in_b)),
+                                 (next(c for c, x in CUTS.items() if x == d), k, len(producers)), share[k],
+                                 cut, name=f"{u.name}#{k}"))
+    return parts
 
 
 def _without_unread(g: OpGraph, joins: set[int]) -> OpGraph:
@@ -680,35 +729,10 @@ def _without_unread(g: OpGraph, joins: set[int]) -> OpGraph:
     return without(g, gone)
 
 
-def chain(graph: OpGraph, op: str) -> OpGraph:
-    """The split graph with split op `op`'s part k reading part k of each producer `chain_links` finds, not
-    its join; a join nothing reads any more goes (unless the step returns it). FasttError if none chains."""
-    links = chain_links(graph, op)
-    if not links:
-        raise FasttError(f"op '{op}' cannot be chained: it is not split, or no input of it is a split op "
-                         "cut the way it slices that input")
-    ops, mine = list(graph.ops), _parts_of(graph, op)
-    joins = {graph.ops[mine[0]].inputs[j] for j in links}
-    for k, i in enumerate(mine):
-        o = ops[i]
-        ins, in_b = list(o.inputs), list(o.in_bytes)
-        in_parts = list(o.in_parts)
-        for j, producers in links.items():
-            ins[j], in_b[j] = producers[k], graph.ops[producers[k]].out_bytes
-            if in_parts:
-                in_parts[j] = ()
-        ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
-    return _without_unread(replace(graph, ops=tuple(ops)), joins)
-
-
 def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
     """The graph a strategy places: `graph`, replicated for data parallelism, its sharded updates sharded
     (`fastt.shard`), with the strategy's splits and their chains (`chain`), less the duplicate updates it
     leaves out (`graph.duplicate_updates`)."""
     g = shard_updates(data_parallel_graph(graph, strategy.replicas), strategy.sharded)
-    for s in strategy.splits:
-        g = split(g, s.op, s.dim, s.parts)
-    for name in strategy.chained:
-        update = name in g.index and g.ops[g.index[name]].kind == UPDATE  # a compute op is split by now
-        g = chain_update(g, name) if update else chain(g, name)
-    return without_unplaced_updates(g, strategy.placement)
+    g = split_all(g, [(s.op, s.dim, s.parts) for s in strategy.splits])
+    return without_unplaced_updates(chain_all(g, strategy.chained), strategy.placement)

@@ -14,6 +14,7 @@ from .baechi import m_etf, m_sct, m_topo
 from .basic import data_parallel, single_device, zero
 from .dpos import dpos
 from .heft import heft
+from .megatron import megatron
 from .mixed import owt, pipeline, table_wise
 from .osdpos import fastt_planner
 from .portfolio import best_plan
@@ -35,6 +36,7 @@ PLANNERS: dict[str, Planner] = {
     "owt": owt,
     "table-wise": table_wise,
     "pipeline": pipeline,
+    "megatron": megatron,
     "search": search,
 }
 

@@ -11,14 +11,15 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
 from ..shard import shardable
-from ..split import chain, chain_links, graph_for
+from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
 from .basic import zero
+from .megatron import megatron
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
 from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .search import spread_plans
 
-OPTIONAL = (*EXPERTS, "search", "zero")  # planners that raise FasttError where they do not apply
+OPTIONAL = (*EXPERTS, "megatron", "search", "zero")  # planners that raise FasttError where they do not apply
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
 # at most this much of the budget for the spread search (as the `search` planner has); OS-DPOS's split
 # search gets the rest
@@ -29,14 +30,16 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
               measured: MeasuredCosts | None = None, sharded: bool = True) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio); with `sharded`, also data
-    parallelism with sharded updates (`zero`) and the best plan with its replicated updates sharded, which
-    the distributed runtime does not run yet. The experts plan first, the spread search takes up to SEARCH_S
-    of `budget_s` (what the `search` planner takes), and OS-DPOS's split search what is left. Where none of
-    them fits, pipelines with FINER micro-batches are tried until one does (memory-bound training)."""
+    parallelism with sharded updates (`zero`), Megatron's tensor parallelism (`megatron`) and the best plan
+    with its replicated updates sharded, which the distributed runtime does not run yet. The experts plan
+    first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
+    OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
+    tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
-    for name, expert in EXPERTS.items():
+    # megatron's plans update their weights in parts, as sharded updates do: only where those run
+    for name, expert in ({**EXPERTS, "megatron": megatron} if sharded else EXPERTS).items():
         try:
             if name != "pipeline":
                 candidates.append(expert(graph, cluster, measured))
@@ -106,12 +109,10 @@ def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
     """`s` with every split op chained to the split ops it reads where their layouts agree (`split.chain`),
     the joins that leaves unread out of its placement and order; None where no split chains."""
     g = graph_for(graph, s)
-    names = []
-    for sp in s.splits:
-        if sp.op not in s.chained and chain_links(g, sp.op):
-            g, names = chain(g, sp.op), [*names, sp.op]
+    names = [sp.op for sp in s.splits if sp.op not in s.chained and chain_links(g, sp.op)]
     if not names:
         return None
+    g = chain_all(g, names)
     return replace(s, chained=(*s.chained, *names),
                    placement={k: d for k, d in s.placement.items() if k in g.index},
                    order=tuple(tuple(n for n in o if n in g.index) for o in s.order))

@@ -1,0 +1,212 @@
+"""The `megatron` planner: Megatron-LM's tensor parallelism of a model's MLP blocks over a node's devices.
+
+Megatron splits an MLP's first linear layer by its output features (column-parallel: each device holds its
+rows of the weight and the bias) and the second by its input features (row-parallel: its columns), so that
+the activation between them stays cut, no weight or weight gradient crosses a link, and each device updates
+only its share of both weights and their optimizer state; the second layer's partial outputs are summed
+(Megatron's allreduce).
+
+Here that plan is found on the captured step by propagating a cut (GSPMD-style sharding propagation): the
+seeds are the weights of column-parallel layers (a 2-d parameter read by a matmul as its right operand whose
+output features outnumber its input features, an MLP's expansion), cut along their output features; in
+graph order every op that reads a cut value takes the split rule that slices each cut argument along its cut
+(`fastt.split.RULES`), and its result is cut where the rule concatenates (a summed result, the row-parallel
+layer's, is whole again). A parameter that every reader slices along one of its dims (the row-parallel
+weight) is then cut too, and the propagation reruns, which splits its backward readers. Split ops read their
+producers' parts (`split.chain`), and each cut weight's update is split along its cut (`split.chain_update`).
+Part k runs on device k; DPOS places the rest (attention, norms, embeddings) and list scheduling orders it.
+
+Not built: data parallelism across nodes around the tensor-parallel blocks (each part's gradient allreduced
+among its data-parallel peers), and the attention's heads (the captured attention merges batch and heads into
+one dim before its matmuls, which no contiguous cut of the heads survives). The planner refuses a cluster of
+several nodes and a model with no MLP it can cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.fx import Node
+
+from ..cluster import Cluster
+from ..cost import MeasuredCosts
+from ..errors import FasttError
+from ..graph import COMPUTE, PARAM, UPDATE, OpGraph
+from ..split import (
+    chain_links,
+    graph_for,
+    rule,
+    slice_dims,
+    split_size,
+    splittable,
+    update_link,
+    view_dim,
+)
+from ..strategy import Split, Strategy
+from .common import plan_costs, strategy_from
+from .dpos import schedule
+from .mixed import node_devices, ordered
+
+MATMULS = ("aten.addmm.default", "aten.mm.default")
+
+
+def _nodes(graph: OpGraph) -> dict[str, Node]:
+    gm = getattr(graph.fx, "gm", None)
+    if gm is None:
+        raise FasttError(f"graph '{graph.name}' was built by hand: megatron reads the captured step's shapes")
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def _cut_views(nodes: dict[str, Node], op_nodes: tuple[str, ...], cut: dict[str, int]) -> None:
+    """Cut each view in `op_nodes` (an op's group) whose input is cut and which keeps the cut."""
+    for name in op_nodes:
+        n = nodes[name]
+        src = n.args[0] if n.args and isinstance(n.args[0], Node) else None
+        if name not in cut and src is not None and src.name in cut and n.op == "call_function":
+            d = view_dim(n, cut[src.name]) if hasattr(n.meta.get("val"), "shape") else None
+            if d is not None:
+                cut[name] = d
+
+
+def _propagate(graph: OpGraph, seeds: dict[str, int], parts: int) -> tuple[list[Split], dict[str, int]]:
+    """The splits that carry the cut of the `seeds` (parameter op name -> its dim cut) through the step, and
+    every cut value (fx node name -> its cut dim)."""
+    nodes = _nodes(graph)
+    cut: dict[str, int] = {}
+    for name, d in seeds.items():
+        op = graph.ops[graph.index[name]]
+        cut[op.nodes[0]] = d
+        _cut_views(nodes, op.nodes[1:], cut)
+    splits = []
+    for op in graph.ops:
+        if op.kind != COMPUTE or not op.head:
+            continue
+        head = nodes[op.head]
+        cut_at = {pos: cut[a.name] for pos, a in enumerate(head.args)
+                  if isinstance(a, Node) and a.name in cut}
+        if not cut_at or any(isinstance(v, Node) and v.name in cut for v in head.kwargs.values()):
+            continue
+        vals = [a.meta.get("val") if isinstance(a, Node) else a for a in head.args]
+        kwargs = {k: v.meta.get("val") if isinstance(v, Node) else v for k, v in head.kwargs.items()}
+        for dim in splittable(op, graph):
+            spec = rule(op.target, dim)
+            dims = slice_dims(spec, vals)
+            if all(dims[pos] == d for pos, d in cut_at.items()) and split_size(op.target, dim, vals,
+                                                                                 kwargs) >= parts:
+                break
+        else:
+            continue  # it reads the parts joined
+        splits.append(Split(op.name, dim, parts))
+        how = spec.outs[0]
+        if how[0] == "cat" and hasattr(head.meta.get("val"), "dim"):
+            cut[op.head] = how[1] % head.meta["val"].dim()
+            _cut_views(nodes, op.nodes[1:], cut)
+    return splits, cut
+
+
+def _param_cuts(graph: OpGraph, splits: list[Split]) -> dict[str, set[int | None]]:
+    """For each 1-d or 2-d parameter read by a split op: the dims of it that its readers slice (None for a
+    reader that is not split, or reads it whole)."""
+    nodes = _nodes(graph)
+    split_of = {s.op: s.dim for s in splits}
+    out: dict[str, set[int | None]] = {}
+    for i, op in enumerate(graph.ops):
+        if op.kind != PARAM or len(nodes[op.nodes[0]].meta["val"].shape) not in (1, 2):
+            continue
+        dims: set[int | None] = set()
+        for r in graph.succs[i]:
+            reader = graph.ops[r]
+            if reader.kind == UPDATE:
+                continue
+            if reader.name not in split_of:
+                dims.add(None)
+                continue
+            head = nodes[reader.head]
+            sliced = slice_dims(rule(reader.target, split_of[reader.name]),
+                                [a.meta.get("val") if isinstance(a, Node) else a for a in head.args])
+            for pos, a in enumerate(head.args):
+                if isinstance(a, Node) and (a.name == op.nodes[0] or a.name in op.nodes):
+                    dims.add(_param_dim(nodes, op, a, sliced[pos]))
+        if dims - {None}:
+            out[op.name] = dims
+    return out
+
+
+def _param_dim(nodes: dict[str, Node], param: object, a: Node, d: int | None) -> int | None:
+    """The parameter's dim that its view `a`'s dim d is (None where no view keeps it)."""
+    if d is None:
+        return None
+    for pd in range(len(nodes[param.nodes[0]].meta["val"].shape)):
+        probe = {param.nodes[0]: pd}
+        _cut_views(nodes, param.nodes[1:], probe)
+        if probe.get(a.name) == d:
+            return pd
+    return None
+
+
+def column_seeds(graph: OpGraph) -> dict[str, int]:
+    """The column-parallel layers' weights: a 2-d parameter whose first reader (the forward's) is a matmul
+    reading it as its right operand (directly or through a transpose) with more output features than input
+    features -> its dim of output features."""
+    nodes = _nodes(graph)
+    out = {}
+    for i, op in enumerate(graph.ops):
+        if op.kind != PARAM or len(nodes[op.nodes[0]].meta["val"].shape) != 2 or not graph.succs[i]:
+            continue
+        shape = nodes[op.nodes[0]].meta["val"].shape
+        reader = graph.ops[graph.succs[i][0]]
+        right = nodes[reader.head].args[-1] if reader.target in MATMULS else None
+        d = _param_dim(nodes, op, right, 1) if isinstance(right, Node) else None
+        if d is not None and shape[d] > shape[1 - d]:
+            out[op.name] = d
+    return out
+
+
+def tensor_parallel(graph: OpGraph, parts: int) -> tuple[tuple[Split, ...], tuple[str, ...]]:
+    """Megatron's MLP tensor parallelism of `graph` in `parts` (module docstring): its splits, and the split
+    ops and updates that chain. A parameter that some split reader slices along one dim and none along
+    another is cut too (the row-parallel weight), and one that some reader still reads whole after the
+    propagation is not (a weight tied to an embedding), until nothing changes."""
+    seeds = column_seeds(graph)
+    if not seeds:
+        raise FasttError(f"megatron: '{graph.name}' has no MLP to cut (no linear layer widens its input)")
+    for _ in range(6):
+        splits, _ = _propagate(graph, seeds, parts)
+        cuts = _param_cuts(graph, splits)
+        new = {name: d for name, dims in cuts.items() if name not in seeds and len(dims - {None}) == 1
+               for d in dims - {None}}
+        kept = {name: d for name, d in seeds.items() if cuts.get(name) == {d}}
+        if new or kept != seeds:
+            seeds = {**kept, **new}
+            continue
+        break
+    if not seeds:
+        raise FasttError(f"megatron: no weight of '{graph.name}' can be cut along one dim by every reader")
+    splits, _ = _propagate(graph, seeds, parts)
+    plain = Strategy(planner="megatron", n_devices=parts, placement={}, order=((),) * parts, holders={},
+                     splits=tuple(splits))
+    g = graph_for(graph, plain)
+    chained = [s.op for s in splits if chain_links(g, s.op)]
+    chained += [op.name for op in graph.ops if op.kind == UPDATE and update_link(g, op.name) is not None
+                and any(graph.ops[u].name in seeds for u in op.updates)]
+    return tuple(splits), tuple(chained)
+
+
+def megatron(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
+    """The `megatron` planner (module docstring) on a one-node cluster."""
+    nodes = node_devices(cluster)
+    if len(nodes) > 1:
+        raise FasttError("megatron: data parallelism across nodes around tensor-parallel blocks is not "
+                         f"built; the cluster has {len(nodes)} nodes")
+    n = len(cluster.devices)
+    if n < 2:
+        raise FasttError("megatron needs two devices or more")
+    splits, chained = tensor_parallel(graph, n)
+    plain = Strategy(planner="megatron", n_devices=n, placement={}, order=((),) * n, holders={},
+                     splits=splits, chained=chained)
+    g = graph_for(graph, plain)
+    placed = schedule(g, plan_costs(g, cluster, measured))
+    device_of = [op.split[1] if op.split else max(d, 0) for op, d in zip(g.ops, placed.dev)]
+    s = replace(strategy_from(g, "megatron", n, device_of, start=placed.start), splits=splits,
+                chained=chained)
+    return ordered(graph, s, cluster, measured)
