@@ -668,6 +668,8 @@ def chain(graph: OpGraph, op: str) -> OpGraph:
 
 def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
     """`chain` of every split op and `chain_update` of every update in `names`, in one O(ops) pass."""
+    if not names:
+        return graph
     ops, joins, updates = list(graph.ops), set(), {}
     for name in names:
         i = graph.index.get(name)
