@@ -46,7 +46,6 @@ class PlacedStep:
     targets: Sequence[torch.device] | None = None
     # fastt's plan raced against its rivals before training (`runtime.trial`)
     trial: Trial | None = None
-    sharded = True  # whether it runs sharded updates (`fastt.shard`); the distributed runtime does not yet
 
     @property
     def strategy(self) -> Strategy:

@@ -63,7 +63,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     chosen = decide(graph, cl, n_devices=world, planner=planner, strategy=strategy, tuner=tuner,
                     measure=lambda batches, _: measure_step(graph, model, optimizer, example_inputs, batches,
                                                             threads, 1),
-                    alone=alone_on_rank0, sharded=False)
+                    alone=alone_on_rank0)
     strategy, costs = chosen.strategy, chosen.costs
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -79,9 +79,6 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
                  tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
-    if strategy.sharded:
-        raise FasttError(f"the plan shards {len(strategy.sharded)} updates (the zero planner), which only "
-                         "the local runtime runs so far: plan another way for torchrun ranks")
     placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     check_same(wiring)
@@ -104,6 +101,7 @@ def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _between_barriers(step: DistributedStep, *batch: torch.Tensor) -> float:
     """Seconds of one step of every rank: from a barrier before it to one after, the device's work done."""
     device = step.buffers.device
+    step.whole_state()  # after a rival's sharded step: not this step's time
     synchronized(device)
     dist.barrier()
     t0 = time.perf_counter()
