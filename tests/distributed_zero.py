@@ -77,7 +77,26 @@ def train(name: str, optimizer: str, batch: int | None) -> dict:
         out["state_diff"] = state_diff(ref[2], opt)
         out["local_state_diff"] = state_diff(local[2], opt)
         out["whole"] = held_bytes(ref[2])
+    out["then_dp"] = then_dp(model, loss_fn, opt, inputs, ref)
     return out
+
+
+def then_dp(model, loss_fn, opt, inputs, ref: tuple | None) -> list[float]:
+    """Data parallelism on the same model and optimizer after zero (each rank updating from its own copy of the
+    state, so rank 1's must be whole and right): 2 steps, each compared on rank 0 with eager's from the same
+    state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step = parallelize_distributed(model, loss_fn, opt, inputs, "dp", cl=rank_cluster())
+    diffs = []
+    for i in range(2):
+        whole = batch_like(inputs, STEPS + i)
+        if rank == 0:
+            take_state(model, opt, ref[0], ref[2])
+        step(*shard_of(whole, rank, world))
+        if rank == 0:
+            eager_step(ref[0], ref[1], ref[2], whole)
+            diffs.append(params_close(ref[0], model))
+    return diffs
 
 
 def main(models: str, optimizers: str, batch: str, path: str) -> None:

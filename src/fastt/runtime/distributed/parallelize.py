@@ -23,7 +23,7 @@ from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
-from .step import DistributedStep, check_same
+from .step import DistributedStep, check_same, whole_state
 from .wiring import wire
 
 
@@ -56,6 +56,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, "
                          f"not on this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
+    whole_state(model, optimizer)  # a zero step's rows on other ranks would capture another step
     graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
                           clip_grad_norm=clip_grad_norm, autocast=autocast)
     threads = torch.get_num_threads()

@@ -113,7 +113,7 @@ class DistributedStep(PlacedStep):
         self._keep(envs, dict(zip(programs.placeholders, tensors)),
                    dict(zip(programs.placeholders[len(params) + len(buffers):], slots)))
         if self.wiring.gathers:  # other ranks now hold their rows of the state: another plan needs it whole
-            _ROWS_HELD[self.optimizer] = self.wiring
+            _ROWS_HELD[self.optimizer] = (self.wiring, step)
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
@@ -138,12 +138,8 @@ class DistributedStep(PlacedStep):
                 target.copy_(new)
 
     def whole_state(self) -> None:
-        """Every rank takes rank 0's state if another plan's step left other ranks holding only their rows of
-        a sharded update's state (a trial's rival, a step of another plan on this optimizer). Every rank calls
-        it alike, since every rank ran the same steps: `__call__` does, and the trial before timing a step."""
-        held = _ROWS_HELD.get(self.optimizer)
-        if held is not None and held is not self.wiring:
-            sync_from_rank0(self.model, self.optimizer, self.placed.lowered.step)
+        """`whole_state` before a step of this plan: `__call__` calls it, and the trial before timing one."""
+        whole_state(self.model, self.optimizer, self.wiring)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -276,6 +272,16 @@ def check_same(wiring: Wiring) -> None:
                          "do all ranks build the same model and inputs?")
 
 
+def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                wiring: Wiring | None = None) -> None:
+    """Every rank takes rank 0's state if a step of another plan than `wiring`'s left the other ranks holding
+    only their rows of a sharded update's state (a trial's rival; a step, or a capture, of another plan on
+    this optimizer). Every rank calls it alike: every rank ran the same steps."""
+    held = _ROWS_HELD.get(optimizer)
+    if held is not None and held[0] is not wiring:
+        sync_from_rank0(model, optimizer, held[1])
+
+
 def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
     """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer); a
     rank that held only its rows of a state (a sharded update's) gets it whole."""
@@ -284,8 +290,8 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
     tensors = [*params, *buffers, *(s for ss in states for s in ss)]
     slots = [None] * (len(params) + len(buffers)) + [(p, k) for p, keys in zip(params, step.state_keys)
                                                       for k in keys]
-    # whole, on every rank
-    shapes = [n.meta["val"].shape for n in step.gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta["val"] for n in step.gm.graph.nodes if n.op == "placeholder"][:len(tensors)]
+    shapes = [v.shape for v in vals]  # whole, on every rank
     leaves = [Leaf(shape, torch.empty(shape, device="meta").stride(), t.dtype)
               for t, shape in zip(tensors, shapes)]
     buf = (pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else
@@ -303,5 +309,5 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
                 t.copy_(new)
 
 
-# optimizer -> the wiring of the step that left other ranks holding only their rows of its state
+# optimizer -> (wiring, captured step) of the step that left other ranks holding only their rows of its state
 _ROWS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
