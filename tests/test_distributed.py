@@ -237,6 +237,22 @@ def test_sharded_updates_over_gloo_train_as_eager_each_rank_keeping_its_rows_of_
             assert all(b <= res["whole"] / ranks * 1.01 for b in res["held"][1:]), case
 
 
+def test_sharded_updates_of_two_replicas_on_one_rank_train_as_eager(tmp_path: Path) -> None:
+    """zero with 2 micro-batches on one rank: it holds both row parts, so it sums them itself (no collective),
+    joins the new parameter's rows and keeps the whole state."""
+    from fastt.cluster import cluster
+    from fastt.plan.basic import zero
+
+    w = zoo.get("mlp", "test", dropout=False)
+    zero(fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs), cluster("cpu:1"),
+         accumulate=2).save(tmp_path / "plan.json")
+    rc, _, err = run(1, "--model", "mlp", "--planners", "fastt", "--strategy", str(tmp_path / "plan.json"),
+                     "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    r = results(tmp_path / "out.json")["fastt"]
+    assert r["replicas"] == 2 and r["max_step_rel_diff"] <= 1e-5, r
+
+
 def test_fastt_tunes_across_ranks_and_trains_as_eager(tmp_path: Path) -> None:
     """--tune: rank 0's tuner profiles every rank's segments, refits, replans and keeps a plan only if it measures
     faster; training matches eager whatever it switched to."""
