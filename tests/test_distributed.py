@@ -347,7 +347,7 @@ def test_plans_over_nccl_train_as_eager(model: str, tmp_path: Path) -> None:
         assert diff <= 1e-5, (planner, r)
 
 
-@pytest.mark.parametrize(("model", "planner"), [("mlp", "dp"), ("mlp", "fastt"),
+@pytest.mark.parametrize(("model", "planner"), [("mlp", "dp"), ("mlp", "fastt"), ("mlp", "zero"),
                                                 pytest.param("transformer", "dp", marks=pytest.mark.slow),
                                                 pytest.param("transformer", "fastt", marks=pytest.mark.slow)])
 def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner: str, tmp_path: Path) -> None:
