@@ -242,6 +242,30 @@ class RowGather:
         """Elements of `dtype` a rank sends: the most any rank makes."""
         return max(sum(self.numel(i, p) for i, p in self.pieces(r, dtype)) for r in self.ranks)
 
+    def pack(self, envs: Sequence[dict], rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What `rank` sends of `dtype` (`envs`: its replicas' tables, part p in replica p's): its parts, then
+        zeros up to `size`."""
+        send, mine = torch.zeros(self.size(dtype), dtype=dtype, device=device), self.pieces(rank, dtype)
+        if mine:
+            n = sum(self.numel(i, p) for i, p in mine)
+            torch.cat([envs[p][self.names[i]].reshape(-1) for i, p in mine], out=send[:n])
+        return send
+
+    def parts(self, out: torch.Tensor, dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
+        """(name, part) -> its elements in `out`, the gathered buffer of `dtype` (one block a rank)."""
+        made, size = {}, self.size(dtype)
+        for b, r in enumerate(self.ranks):
+            at = b * size
+            for i, p in self.pieces(r, dtype):
+                made[i, p] = out[at:at + self.numel(i, p)]
+                at += self.numel(i, p)
+        return made
+
+    def wholes(self, made: dict[tuple[int, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each name's tensor whole, its parts (`made`: (name, part) -> the part) joined in order."""
+        return {name: torch.cat([made[i, p].reshape(-1) for p in range(len(self.owners[i]))]).view(leaf.shape)
+                for i, (name, leaf) in enumerate(zip(self.names, self.leaves))}
+
 
 def _merged(row: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
     """Ranges (start, end) of a buffer, from pieces (position, start, end) sorted by position, joining those

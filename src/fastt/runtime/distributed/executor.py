@@ -239,28 +239,18 @@ class RankRun(_Run):
     def _gather(self, g: RowGather) -> None:
         made = {}
         for dtype in dict.fromkeys(leaf.dtype for leaf in g.leaves):
-            if len(g.ranks) == 1:
+            if len(g.ranks) == 1:  # a rank on its own: it has every part
                 made.update({(i, p): self.envs[p][g.names[i]] for i, p in g.pieces(g.ranks[0], dtype)})
                 continue
-            size, mine = g.size(dtype), g.pieces(self.rank, dtype)
-            send = torch.zeros(size, dtype=dtype, device=self.buffers.device)
-            if mine:
-                n = sum(g.numel(i, p) for i, p in mine)
-                torch.cat([self.envs[p][g.names[i]].reshape(-1) for i, p in mine], out=send[:n])
-            out = torch.empty(len(g.ranks) * size, dtype=dtype, device=self.buffers.device)
+            send = g.pack(self.envs, self.rank, dtype, self.buffers.device)
+            out = torch.empty(len(g.ranks) * send.numel(), dtype=dtype, device=self.buffers.device)
             try:
                 work = dist.all_gather_single(out, send, group=self.reducers[g.ranks], async_op=True)
             except RuntimeError as e:
                 raise LostPeer(self._failed(g, e)) from e
             self._wait_collective(g, work)
-            for b, r in enumerate(g.ranks):
-                at = b * size
-                for i, p in g.pieces(r, dtype):
-                    made[i, p] = out[at:at + g.numel(i, p)]
-                    at += g.numel(i, p)
-        for i, (name, leaf) in enumerate(zip(g.names, g.leaves)):
-            parts = [made[i, p].reshape(-1) for p in range(len(g.owners[i]))]
-            self.envs[0][name] = torch.cat(parts).view(leaf.shape)
+            made.update(g.parts(out, dtype))
+        self.envs[0].update(g.wholes(made))
 
     def post_receives(self) -> None:
         """Post every receive of the step up front, each into its buffer, in the order the senders send them:
