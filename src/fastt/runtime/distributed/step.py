@@ -113,7 +113,7 @@ class DistributedStep(PlacedStep):
         self._keep(envs, dict(zip(programs.placeholders, tensors)),
                    dict(zip(programs.placeholders[len(params) + len(buffers):], slots)))
         if self.wiring.gathers:  # other ranks now hold their rows of the state: another plan needs it whole
-            _ROWS_HELD[self.optimizer] = (self.wiring, step)
+            _ROWS_HELD[self.optimizer] = (self.placed.strategy, step)
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
@@ -139,7 +139,7 @@ class DistributedStep(PlacedStep):
 
     def whole_state(self) -> None:
         """`whole_state` before a step of this plan: `__call__` calls it, and the trial before timing one."""
-        whole_state(self.model, self.optimizer, self.wiring)
+        whole_state(self.model, self.optimizer, self.placed.strategy)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -273,12 +273,13 @@ def check_same(wiring: Wiring) -> None:
 
 
 def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                wiring: Wiring | None = None) -> None:
-    """Every rank takes rank 0's state if a step of another plan than `wiring`'s left the other ranks holding
+                strategy: Strategy | None = None) -> None:
+    """Every rank takes rank 0's state if a step of another plan than `strategy` left the other ranks holding
     only their rows of a sharded update's state (a trial's rival; a step, or a capture, of another plan on
     this optimizer). Every rank calls it alike: every rank ran the same steps."""
     held = _ROWS_HELD.get(optimizer)
-    if held is not None and held[0] is not wiring:
+    # by value, which every rank has alike (rank 0's tuner may have rewired its own step meanwhile)
+    if held is not None and held[0] is not strategy and held[0] != strategy:
         sync_from_rank0(model, optimizer, held[1])
 
 
@@ -309,5 +310,5 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
                 t.copy_(new)
 
 
-# optimizer -> (wiring, captured step) of the step that left other ranks holding only their rows of its state
+# optimizer -> (strategy, captured step) of a step that left other ranks holding only their rows of its state
 _ROWS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
