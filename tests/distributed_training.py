@@ -81,6 +81,11 @@ def main(name: str, planners: str, path: str) -> None:
             model.load_state_dict(start[0])  # every rank starts each schedule from the same state
             opt.load_state_dict(copy.deepcopy(start[1]))
             out[planner][schedule] = train(step, model, opt, ref, inputs, schedule, clip)
+    finish(out, path)
+
+
+def finish(out: dict, path: str) -> None:
+    """Rank 0 writes `out` to `path` as JSON; every rank leaves the process group."""
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(out, f)

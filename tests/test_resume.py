@@ -131,9 +131,11 @@ def test_a_run_killed_while_saving_keeps_the_previous_checkpoint(tmp_path: Path,
     assert_identical(uninterrupted, torch.load(tmp_path / "resumed.pt"))
 
 
-@pytest.mark.parametrize("planner", ["dp", "fastt"])
+@pytest.mark.parametrize("planner", ["dp", "fastt", "zero"])
 def test_torchrun_resumes_bit_for_bit(planner: str, tmp_path: Path) -> None:
-    """2 gloo ranks: rank 0 checkpoints its model (the truth); every rank of a new job loads the checkpoint."""
+    """2 gloo ranks: rank 0 checkpoints its model (the truth); every rank of a new job loads the checkpoint.
+    Under zero rank 0 holds the whole optimizer state, rank 1 its rows; both take the whole from the
+    checkpoint."""
     # --trial-steps 0: fastt's race against DP comes before any checkpoint (the resumed job runs the checkpoint's
     # plan and races nothing), so it is not what this checks, and the job is shorter without it.
     run(script(tmp_path, "whole.pt", "--planner", planner, "--trial-steps", "0", distributed=True), timeout=90)

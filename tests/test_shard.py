@@ -138,15 +138,27 @@ def test_strategy_version_3_round_trips_its_sharded_updates_and_version_1_still_
         Strategy.from_json(json.dumps(old))
 
 
-def test_the_distributed_runtime_refuses_sharded_updates_in_one_line() -> None:
-    from fastt.runtime.distributed.parallelize import _placed_step
+def test_the_distributed_runtime_wires_reduce_scatters_an_all_gather_and_rank_0s_whole_state() -> None:
+    """zero's plan wired for 2 ranks (no process group needed): the gradients go by reduce-scatters (each part
+    to the rank that updates it), every new parameter by one all-gather to both ranks; of the sharded state
+    rank 1 keeps its own rows, and rank 0 receives rank 1's and joins them (it keeps the whole, the truth).
+    tests/test_distributed.py runs it."""
+    from fastt.runtime.distributed.wiring import wire
+    from fastt.runtime.programs import place
 
     w = zoo.get("mlp", "test", optimizer="adam")
     g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs)
     s = get_planner("zero")(g, cluster("cpu:2"))
-    with pytest.raises(FasttError, match="only the local runtime runs so far") as e:
-        _placed_step(w.model, w.optimizer, g, s, cluster("cpu:2"), None, 1.0)
-    assert "\n" not in str(e.value)
+    placed = place(g, s, cluster("cpu:2"), None)
+    wiring = wire(placed.lowered, placed.programs)
+    n = len(s.sharded)
+    scatters = [c for c in wiring.collectives if c.rows]
+    assert scatters and all(c.rows == (0, 1) for c in scatters)
+    assert sum(len(c.names) for c in scatters) == n
+    assert [len(x.names) for x in wiring.gathers] == [n] and wiring.gathers[0].ranks == (0, 1)
+    joined = {value for value, _ in wiring.joins[0]}
+    assert len(joined) == 2 * n and not wiring.joins[1]  # Adam's two moments of each; not its step counter
+    assert {v for k, v in wiring.keep[1].values() if k == 1} >= joined
 
 
 @settings(max_examples=120, deadline=None)

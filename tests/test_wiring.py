@@ -34,7 +34,7 @@ from fastt.runtime.distributed import (
     wire,
 )
 from fastt.runtime.local import replica_mean
-from fastt.runtime.programs import place
+from fastt.runtime.programs import place, rows
 
 
 @functools.cache
@@ -184,16 +184,10 @@ def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
             assert y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), n=st.integers(1, 4), replicas=st.integers(3, 5))
-def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int, replicas: int) -> None:
-    """Gradients of several shapes, layouts and dtypes, each replica's on any rank: the sharded form (each rank
-    packs, an all_to_all as slicing, each owner sums its shard, an all_gather as concatenation) gives every
-    rank `replica_mean`'s result exactly."""
-    torch.manual_seed(data.draw(st.integers(0, 2**16)))
-    kinds = [((5, 3), False, torch.float32), ((4, 6), True, torch.float32), ((0,), False, torch.float32),
-             ((7,), False, torch.float64), ((1,), False, torch.float32), ((3, 2, 4), True, torch.float32)]
-    chosen = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=6))
+def _gradients(data, kinds: list, most: int, n: int, replicas: int) -> tuple:
+    """Up to `most` gradients of `kinds` ((shape, transposed, dtype)), `replicas` of each, on n ranks drawn from
+    0-5, each replica's on one of them at random: (ranks, grads[j][k], leaves, names, sources)."""
+    chosen = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=most))
     ranks = tuple(sorted(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n, unique=True))))
     grads, leaves = [], []
     for shape, transposed, dtype in chosen:
@@ -203,6 +197,19 @@ def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int,
         leaves.append(Leaf(xs[0].shape, xs[0].stride(), dtype))
     names = tuple(f"g{j}" for j in range(len(chosen)))
     sources = tuple(tuple(data.draw(st.sampled_from(ranks)) for _ in range(replicas)) for _ in names)
+    return ranks, grads, leaves, names, sources
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 4), replicas=st.integers(3, 5))
+def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int, replicas: int) -> None:
+    """Gradients of several shapes, layouts and dtypes, each replica's on any rank: the sharded form (each rank
+    packs, an all_to_all as slicing, each owner sums its shard, an all_gather as concatenation) gives every
+    rank `replica_mean`'s result exactly."""
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    kinds = [((5, 3), False, torch.float32), ((4, 6), True, torch.float32), ((0,), False, torch.float32),
+             ((7,), False, torch.float64), ((1,), False, torch.float32), ((3, 2, 4), True, torch.float32)]
+    ranks, grads, leaves, names, sources = _gradients(data, kinds, 6, n, replicas)
     col = ReduceCall(ranks, (0,), names, sources, tuple(leaves))
     envs = [{x: grads[j][k] for j, x in enumerate(names)} for k in range(replicas)]
     want = dict(zip(names, replica_mean([[grads[j][k] for j in range(len(names))] for k in range(replicas)])))
@@ -221,6 +228,36 @@ def test_the_sharded_collective_gives_the_replica_mean_bit_for_bit(data, n: int,
         for r in ranks:
             for x, mean in mine[r].means(torch.cat(shards), col).items():
                 assert torch.equal(mean, want[x]) and mean.stride() == want[x].stride() or not mean.numel()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 4), replicas=st.integers(2, 4))
+def test_the_reduce_scatter_gives_each_part_s_owner_its_rows_of_the_replica_mean_bit_for_bit(
+        data, n: int, replicas: int) -> None:
+    """A sharded update's reduce-scatter (`RowShards`): gradients of several shapes, layouts and dtypes, each
+    replica's on any rank, each row part owned by any rank (an all_to_all as slicing): every owner gets its rows
+    of `replica_mean`'s result exactly, cut as torch.tensor_split cuts dim 0 (uneven where the rows do not
+    divide)."""
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    kinds = [((5, 3), False, torch.float32), ((4, 6), True, torch.float32), ((7,), False, torch.float64),
+             ((4,), False, torch.float32), ((6, 2, 4), True, torch.float32)]
+    ranks, grads, leaves, names, sources = _gradients(data, kinds, 5, n, replicas)
+    owners = tuple(data.draw(st.sampled_from(ranks)) for _ in range(replicas))
+    col = ReduceCall(ranks, (0,), names, sources, tuple(leaves), owners)
+    envs = [{x: grads[j][k] for j, x in enumerate(names)} for k in range(replicas)]
+    want = replica_mean([[grads[j][k] for j in range(len(names))] for k in range(replicas)])
+    got = {}
+    for dtype_index in range(len(col.row_shards(ranks[0]))):
+        mine = {r: col.row_shards(r)[dtype_index] for r in ranks}
+        sent = {r: sh.pack(envs, col, torch.empty(sum(sh.send_counts), dtype=sh.dtype)) for r, sh in mine.items()}
+        pieces = {r: torch.split(sent[r], list(sh.send_counts)) for r, sh in mine.items()}
+        for i, r in enumerate(ranks):
+            recv = torch.cat([pieces[src][i] for src in ranks])
+            assert [len(pieces[src][i]) for src in ranks] == list(mine[r].recv_counts)
+            got.update(mine[r].means(recv, col))
+    assert sorted(got) == [(j, p) for j in range(len(names)) for p in range(replicas)]
+    for (j, p), mean in got.items():
+        assert torch.equal(mean, rows(want[j], replicas, p)), (j, p)
 
 
 def test_fit_gather_recovers_the_plane() -> None:

@@ -27,19 +27,19 @@ SEARCH_S = 4.0
 
 
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
-              measured: MeasuredCosts | None = None, sharded: bool = True) -> Strategy:
+              measured: MeasuredCosts | None = None, chained: bool = True) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
-    first (FastT's rule, keep a plan only if it is faster, over a portfolio); with `sharded`, also data
-    parallelism with sharded updates (`zero`), Megatron's tensor parallelism (`megatron`) and the best plan
-    with its replicated updates sharded, which the distributed runtime does not run yet. The experts plan
+    first (FastT's rule, keep a plan only if it is faster, over a portfolio), data parallelism with sharded
+    updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and with
+    `chained`, Megatron's tensor parallelism (`megatron`), which the distributed runtime does not run yet (it
+    updates weights in parts, `split.chain_update`). The experts plan
     first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
     OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
     tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
-    # megatron's plans update their weights in parts, as sharded updates do: only where those run
-    for name, expert in ({**EXPERTS, "megatron": megatron} if sharded else EXPERTS).items():
+    for name, expert in ({**EXPERTS, "megatron": megatron} if chained else EXPERTS).items():
         try:
             if name != "pipeline":
                 candidates.append(expert(graph, cluster, measured))
@@ -55,23 +55,22 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
                 candidates.append(pipeline(graph, cluster, measured))
         except FasttError:
             continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
-    if sharded:
-        try:
-            candidates.append(zero(graph, cluster))
-        except FasttError:
-            pass  # one device, or no update that shards
+    try:
+        candidates.append(zero(graph, cluster))
+    except FasttError:
+        pass  # one device, or no update that shards
     try:
         candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s))
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
     candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
     judged = [(_judge(graph_for(graph, s), s, cluster, measured), k, s) for k, s in enumerate(candidates)]
-    if sharded:  # the best plan's updates sharded where it replicates them, or every plan's where none fits
-        fits = any(not misfit for (misfit, _), _, _ in judged)
-        for s in [min(judged)[2]] if fits else [s for _, _, s in judged]:
-            v = with_sharded_updates(graph, s)
-            if v is not None:
-                judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
+    # the best plan's updates sharded where it replicates them, or every plan's where none fits
+    fits = any(not misfit for (misfit, _), _, _ in judged)
+    for s in [min(judged)[2]] if fits else [s for _, _, s in judged]:
+        v = with_sharded_updates(graph, s)
+        if v is not None:
+            judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
     best = min(judged)[2]
     v = with_chains(graph, best)
     if v is not None:  # the best plan's splits chained where their layouts agree: no join between them

@@ -39,7 +39,7 @@ from ..shard import CUTS
 from ..split import join, rule, run_part, view_part
 from .meter import StorageMeter
 from .oom import Budget, oom_message, out_of_memory
-from .programs import Programs, Segment, on_device, rows, scattered
+from .programs import Programs, Segment, held_rows, on_device, rows, scattered
 
 
 class StepError(RuntimeError):
@@ -423,14 +423,20 @@ def replica_tables(low: Lowered, programs: Programs, params: Sequence[torch.Tens
                    shares: Sequence[Sequence[torch.Tensor | None]], hypers: Sequence[float],
                    weights: Sequence[float]) -> list[dict]:
     """`replica_envs` from each replica's share and weight; an input that is None is left out of its table (a
-    distributed rank holds only the inputs it reads)."""
+    distributed rank holds only the inputs it reads). A sharded update's state goes in as replica k's rows
+    of it, unless it is held as rows already (a rank's own, from its last step)."""
     written = {name for name, _, _ in programs.writeback}
+    held = held_rows(low)
     envs = []
     for k in range(low.replicas):
         own = list(buffers) if k == 0 else [x.clone() if name in written else x
                                              for name, x in zip(programs.placeholders[len(params):], buffers)]
         flat = [*params, *own, *(s for ss in states for s in ss), *shares[k], *hypers, weights[k]]
-        envs.append({name: x for name, x in zip(programs.placeholders, flat, strict=True) if x is not None})
+        env = {name: x for name, x in zip(programs.placeholders, flat, strict=True) if x is not None}
+        for name, parts in held.items():  # a sharded update's state: its rows (a rank may hold only those)
+            if name in env and env[name].shape == programs.nodes[name].meta["val"].shape:
+                env[name] = rows(env[name], parts, k)
+        envs.append(env)
     return envs
 
 

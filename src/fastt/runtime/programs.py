@@ -23,9 +23,9 @@ from torch import fx
 from ..cluster import Cluster, torch_device
 from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..graph import OpGraph
+from ..graph import UPDATE, OpGraph
 from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower, part_reads
-from ..shard import CUTS, REDUCE_SCATTER
+from ..shard import CUTS, REDUCE_SCATTER, sharded_residents
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
@@ -81,11 +81,12 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
                                                   for u in nodes[name].users))
     g = fx.Graph()
     values = {name: g.placeholder(name) for name in inputs}
-    given = scattered(low) if any(t.kind == SHARD for t in tasks) else set()
+    given = given_rows(low) if any(t.kind == SHARD for t in tasks) else set()
     for t in tasks:
         local = values
         if t.kind == SHARD:  # its rows of what it reads with the parameter's shape (`fastt.shard`); the
-            # reduce-scatter hands it only its rows of the mean already
+            # reduce-scatter hands it only its rows of the mean already, and its table holds only its rows of
+            # the state (`held_rows`); a chained update's part reads its gradient's part (`t.renamed`)
             shape, (cut, k, parts) = nodes[t.head].meta["val"].shape, t.part
             own, local = set(t.nodes) | given | {x for x, _ in t.renamed}, {}
             for x in dict.fromkeys(x for name in t.nodes for x in nodes[name].all_input_nodes):
@@ -116,9 +117,32 @@ def scattered(low: Lowered) -> set[str]:
             for name in names} - whole
 
 
+def held_rows(low: Lowered) -> dict[str, int]:
+    """The optimizer state of sharded updates (placeholder -> parts): each replica's table holds its rows of
+    it, as a distributed rank keeps only its own across steps. Not a chained update's (tensor parallelism):
+    its parts share one replica's table, which holds the state whole."""
+    g = low.graph
+    out = {}
+    for j, parts in sharded_residents(g).items():
+        writers = [g.ops[i] for i in g.succs[j] if g.ops[i].kind == UPDATE and g.ops[i].split]
+        if not any(g.ops[x].split and g.ops[x].kind != UPDATE for w in writers for x in w.inputs):
+            out[g.ops[j].nodes[0]] = parts
+    return out
+
+
+def given_rows(low: Lowered) -> set[str]:
+    """The values of the parameter's shape that a sharded update's table holds as its rows already."""
+    return scattered(low) | set(held_rows(low))
+
+
 def rows(x: torch.Tensor, parts: int, k: int, dim: int = 0) -> torch.Tensor:
     """Part k of x's dim `dim` cut into `parts`, as torch.tensor_split cuts it (a sharded update's rows)."""
     return torch.tensor_split(x, parts, dim)[k]
+
+
+def row_counts(n: int, parts: int) -> list[int]:
+    """How many of n rows each of `parts` parts has, as torch.tensor_split cuts them."""
+    return [n // parts + (k < n % parts) for k in range(parts)]
 
 
 class Writeback(NamedTuple):

@@ -115,7 +115,7 @@ class Tuner:
             why = f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up"
             return self._stop(step, why)
         candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs,
-                         sharded=step.sharded)
+                         chained=step.chained)
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")
         try:

@@ -17,6 +17,9 @@ goes by point-to-point messages, all known before the first step (`wire`):
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
   them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to
   rank 0.
+- sharded updates (`fastt.shard`): the gradient's reduce-scatter is that `all_to_all` alone, cut at the row
+  parts (`RowShards`); at the end the new parameter's rows are all-gathered (`RowGather`), and of the state
+  each rank keeps its rows, rank 0 the whole (the others' rows sent to it).
 
 Messages carry no tags: each direction between two ranks has a process group of its own (`directions`), whose
 messages are received in the order they are sent (`Wiring.inbox`), which is how NCCL matches them; gloo runs

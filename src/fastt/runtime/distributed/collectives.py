@@ -13,7 +13,7 @@ import torch
 
 from ...errors import FasttError
 from ...lower import Lowered
-from ..programs import Programs
+from ..programs import Programs, row_counts, rows
 from .packing import Leaf, flat, leaf_view
 
 
@@ -37,17 +37,52 @@ class ReduceCall:
     an `all_to_all` brings every replica's part of a shard to the rank that owns it, which sums them in
     replica order, as eager data parallelism does, and an `all_gather` of the shards gives every rank the
     mean: the traffic of a ring `all_reduce`, whose own sum of more than two would go in an order of its own.
-    Either way every rank gets eager's mean bit for bit."""
+    Either way every rank gets eager's mean bit for bit. A reduce-scatter (`rows`: per part, the rank that
+    updates it) is that `all_to_all` alone, cut at the gradients' row parts (`RowShards`)."""
 
     ranks: tuple[int, ...]
     ops: tuple[int, ...]
     names: tuple[str, ...]
     sources: tuple[tuple[int, ...], ...]
     leaves: tuple[Leaf, ...]
+    rows: tuple[int, ...] = ()
 
     def shards(self, rank: int) -> list[Shards]:
         """How `rank` takes part in the sharded form, one entry per dtype of the gradients."""
         return self._shards[rank]
+
+    def row_shards(self, rank: int) -> list[RowShards]:
+        """How `rank` takes part in a reduce-scatter, one entry per dtype of the gradients."""
+        return self._row_shards[rank]
+
+    @cached_property
+    def _row_shards(self) -> dict[int, list[RowShards]]:
+        parts = len(self.rows)
+        out: dict[int, list[RowShards]] = {r: [] for r in self.ranks}
+
+        def numel(j: int, p: int) -> int:
+            shape = self.leaves[j].shape
+            return row_counts(shape[0], parts)[p] * torch.Size(shape[1:]).numel()
+        for dtype in dict.fromkeys(leaf.dtype for leaf in self.leaves):
+            js = [j for j, leaf in enumerate(self.leaves) if leaf.dtype == dtype]
+            # what the owner of each part gets, in one order: by part, gradient, replica
+            order = {o: [RowPiece(k, j, p) for p in range(parts) if self.rows[p] == o for j in js
+                         for k in range(parts)] for o in self.ranks}
+            for me in self.ranks:
+                send = [x for o in self.ranks for x in order[o] if self.sources[x.grad][x.replica] == me]
+                at, where, recv = 0, {}, []
+                for r in self.ranks:
+                    mine = [x for x in order[me] if self.sources[x.grad][x.replica] == r]
+                    for x in mine:
+                        where[x] = (at, at + numel(x.grad, x.part))
+                        at = where[x][1]
+                    recv.append(sum(numel(x.grad, x.part) for x in mine))
+                sums = tuple((j, p, tuple(where[RowPiece(k, j, p)] for k in range(parts)))
+                             for p in range(parts) if self.rows[p] == me for j in js)
+                sent = [sum(numel(x.grad, x.part) for x in order[o] if self.sources[x.grad][x.replica] == me)
+                        for o in self.ranks]
+                out[me].append(RowShards(dtype, parts, tuple(send), tuple(sent), tuple(recv), sums))
+        return out
 
     @cached_property
     def _shards(self) -> dict[int, list[Shards]]:  # read every step: made once
@@ -138,6 +173,100 @@ class Shards:
         return out
 
 
+class RowPiece(NamedTuple):
+    """Row part `part` of replica `replica`'s gradient `grad` (an index into its collective's names)."""
+
+    replica: int
+    grad: int
+    part: int
+
+
+@dataclass(frozen=True)
+class RowShards:
+    """One dtype of a reduce-scatter, as one of its ranks sees it: each gradient is cut into `parts` row parts
+    as torch.tensor_split cuts dim 0, and part p of every replica's gradient goes to the rank that updates
+    part p. The rank sends `send` (by owner, then part, gradient, replica), `send_counts` elements to each
+    rank, and receives `recv_counts` from each; `sums` lists what it adds up: (gradient, part, the ranges of
+    its receive buffer that hold replica k's part, k in order)."""
+
+    dtype: torch.dtype
+    parts: int
+    send: tuple[RowPiece, ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    sums: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+
+    def pack(self, envs: Sequence[dict], col: ReduceCall, out: torch.Tensor) -> torch.Tensor:
+        """What this rank sends (`envs`: its replicas' tables), into `out`."""
+        if self.send:
+            torch.cat([rows(envs[x.replica][col.names[x.grad]], self.parts, x.part).reshape(-1)
+                       for x in self.send], out=out)
+        return out
+
+    def means(self, recv: torch.Tensor, col: ReduceCall) -> dict[tuple[int, int], torch.Tensor]:
+        """(gradient, part) -> that part of the mean, fresh: the replicas' parts summed in replica order, then
+        divided, as `replica_mean` (and the sharded form, `Shards.mean`) does."""
+        out = {}
+        for j, p, ranges in self.sums:
+            xs = [recv[a:b] for a, b in ranges]
+            total = torch.add(xs[0], xs[1])
+            for x in xs[2:]:
+                total.add_(x)
+            torch._foreach_div_([total], float(len(xs)))
+            shape = col.leaves[j].shape
+            out[j, p] = total.view(row_counts(shape[0], self.parts)[p], *shape[1:])
+        return out
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """The all-gather of sharded updates' new parameters at the step's end: part p of `names[i]` (its rows of
+    a tensor of `leaves[i]`) is made on rank `owners[i][p]`, and every rank of `ranks` gets it whole. Per
+    dtype one `all_gather` of each rank's parts, padded to the most any rank has (`pieces`)."""
+
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+    leaves: tuple[Leaf, ...]
+    owners: tuple[tuple[int, ...], ...]
+
+    def numel(self, i: int, p: int) -> int:
+        shape = self.leaves[i].shape
+        return row_counts(shape[0], len(self.owners[i]))[p] * torch.Size(shape[1:]).numel()
+
+    def pieces(self, rank: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """The (name, part) pieces of `dtype` that `rank` makes, in the order it sends them."""
+        return [(i, p) for i, leaf in enumerate(self.leaves) if leaf.dtype == dtype
+                for p, o in enumerate(self.owners[i]) if o == rank]
+
+    def size(self, dtype: torch.dtype) -> int:
+        """Elements of `dtype` a rank sends: the most any rank makes."""
+        return max(sum(self.numel(i, p) for i, p in self.pieces(r, dtype)) for r in self.ranks)
+
+    def pack(self, envs: Sequence[dict], rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What `rank` sends of `dtype` (`envs`: its replicas' tables, part p in replica p's): its parts, then
+        zeros up to `size`."""
+        send, mine = torch.zeros(self.size(dtype), dtype=dtype, device=device), self.pieces(rank, dtype)
+        if mine:
+            n = sum(self.numel(i, p) for i, p in mine)
+            torch.cat([envs[p][self.names[i]].reshape(-1) for i, p in mine], out=send[:n])
+        return send
+
+    def parts(self, out: torch.Tensor, dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
+        """(name, part) -> its elements in `out`, the gathered buffer of `dtype` (one block a rank)."""
+        made, size = {}, self.size(dtype)
+        for b, r in enumerate(self.ranks):
+            at = b * size
+            for i, p in self.pieces(r, dtype):
+                made[i, p] = out[at:at + self.numel(i, p)]
+                at += self.numel(i, p)
+        return made
+
+    def wholes(self, made: dict[tuple[int, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each name's tensor whole, its parts (`made`: (name, part) -> the part) joined in order."""
+        return {name: torch.cat([made[i, p].reshape(-1) for p in range(len(self.owners[i]))]).view(leaf.shape)
+                for i, (name, leaf) in enumerate(zip(self.names, self.leaves))}
+
+
 def _merged(row: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, int], ...]:
     """Ranges (start, end) of a buffer, from pieces (position, start, end) sorted by position, joining those
     that follow each other in the buffer too."""
@@ -167,7 +296,8 @@ class CollectiveOrder(NamedTuple):
 
 
 def order_collectives(low: Lowered, programs: Programs, send_after: Sequence, segment_of: dict,
-                      first_read: list[dict], recv_before: list, leaf: dict[str, Leaf]) -> CollectiveOrder:
+                      first_read: list[dict], recv_before: list, leaf: dict[str, Leaf],
+                      owners: dict[int, tuple[int, ...]]) -> CollectiveOrder:
     """The allreduces as collectives, in one order every rank starts them in.
 
     A rank takes part in an allreduce if it holds one of its gradients or reads its mean. It could start it
@@ -179,13 +309,14 @@ def order_collectives(low: Lowered, programs: Programs, send_after: Sequence, se
     before any rank reads it, even if it must wait for the ones its ranks started before it
     (`executor._Serial` runs a rank's sharded collectives one at a time). That run waits for the same things
     as a real one, whatever order the ranks happen to run in (a rank waits only for messages and collectives),
-    so a real run cannot deadlock either."""
+    so a real run cannot deadlock either. Reduce-scatters (`owners`: allreduce -> the rank updating each row
+    part) bundle only with reduce-scatters of the same owners."""
     ready, sources, ranks = _members(low, segment_of, first_read)
     unit = _UnitRun(programs.devices, ready, ranks)
     unit.run(send_after, recv_before, first_read)
     bundles: dict[tuple, list[int]] = {}
-    for a in sorted(low.allreduces, key=lambda a: (unit.ready_time(a), ranks[a], a)):
-        bundles.setdefault((unit.ready_time(a), ranks[a]), []).append(a)
+    for a in sorted(low.allreduces, key=lambda a: (unit.ready_time(a), ranks[a], owners.get(a, ()), a)):
+        bundles.setdefault((unit.ready_time(a), ranks[a], owners.get(a, ())), []).append(a)
     return _bundled(low, programs.devices, bundles, ready, first_read, sources, leaf)
 
 
@@ -256,16 +387,16 @@ class _UnitRun:
 
 def _bundled(low: Lowered, segs: Sequence[Sequence], bundles: dict[tuple, list[int]], ready: dict,
              first_read: list[dict], sources: dict, leaf: dict[str, Leaf]) -> CollectiveOrder:
-    """The collectives of `bundles` ((ready time, ranks) -> allreduces, in order) and where each rank starts
-    and waits for them."""
+    """The collectives of `bundles` ((ready time, ranks, owners of row parts) -> allreduces, in order) and
+    where each rank starts and waits for them."""
     collectives = []
     start = [[[] for _ in range(len(s) + 1)] for s in segs]
     wait = [[[] for _ in s] for s in segs]
     at = [0] * len(segs)  # per rank, where it started its last collective
-    for c, ((_, group), ops) in enumerate(bundles.items()):
+    for c, ((_, group, owners), ops) in enumerate(bundles.items()):
         names = tuple(dict.fromkeys(name for a in ops for name in low.allreduces[a]))
         collectives.append(ReduceCall(group, tuple(ops), names, tuple(sources[x] for x in names),
-                                      tuple(leaf[x] for x in names)))
+                                      tuple(leaf[x] for x in names), owners))
         for d in group:
             at[d] = max(at[d], *(ready[d, a] + 1 for a in ops))
             start[d][at[d]].append(c)

@@ -3,7 +3,8 @@ of the local runtime's shared memory (`RankRun`), and the buffers it keeps from 
 
     run() +-- _run() +-- post_receives()              every receive of the step, up front
                      +-- per segment: start() -> receive() -> reduce() -> run_segment() -> send()
-                     +-- _end()                       end-of-step messages, the collectives left
+                     +-- _end()                       end-of-step messages, the collectives left,
+                                                      sharded updates' all-gathers and joins (`_rows_end`)
           +-- finish()                                every send (on a GPU every receive, and the GPU)
 """
 
@@ -25,8 +26,8 @@ from torch.utils._pytree import tree_leaves, tree_unflatten
 from ...lower import Lowered
 from ..local import _Run, replica_mean
 from ..oom import Budget
-from ..programs import Programs
-from .collectives import ReduceCall, Shards
+from ..programs import Programs, rows
+from .collectives import ReduceCall, RowGather, Shards
 from .faults import HEARTBEAT_S, LostPeer, RankError, failure_recorded, lost
 from .groups import directions, reducers
 from .packing import Leaf, pack, packed_size, unpack
@@ -97,9 +98,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 class _Then:
     """The `all_gather`s of a sharded collective, issued by the `_Serial` thread (`future`) or already (a
-    GPU), into `outs` (one per dtype): what a rank waits for. Raises what the thread raised."""
+    GPU), into `outs` (one per dtype; a reduce-scatter's: its parts of the mean, once done): what a rank
+    waits for. Raises what the thread raised."""
 
-    def __init__(self, future: Future, outs: list[torch.Tensor]) -> None:
+    def __init__(self, future: Future, outs: list[torch.Tensor] | dict) -> None:
         self.future, self.outs = future, outs
 
     def is_completed(self) -> bool:
@@ -175,7 +177,8 @@ class RankRun(_Run):
             self.streams = (torch.cuda.default_stream(buffers.device),) * len(programs.devices)
         self.sends: list[_Sent] = []
         self.posted: dict[int, _Posted] = {}  # by message
-        self.reducers = reducers((c.ranks for c in wiring.collectives), buffers.device)
+        self.reducers = reducers([*(c.ranks for c in wiring.collectives), *(g.ranks for g in wiring.gathers)],
+                                 buffers.device)
         # Collectives started and not yet waited for: with two replicas, their sums (per dtype); with more,
         # the sharded form's all_gathers. A rank on its own in a collective starts nothing.
         self.sums: dict[int, list[_SumPart]] = {}
@@ -221,6 +224,33 @@ class RankRun(_Run):
             self._wait_collective(self.wiring.collectives[c], then)
         self.sums.clear()
         self.gathers.clear()
+        self._rows_end(d)
+
+    def _rows_end(self, d: int) -> None:
+        """Sharded updates' results, after every other collective of the step: each new parameter gathered
+        whole (one `all_gather` per dtype, every rank's parts padded to the most a rank has), and the state
+        whose parts this rank received joined; both as replica 0's value, which the rank keeps."""
+        for g in self.wiring.gathers:
+            if d in g.ranks:
+                self._gather(g)
+        for value, parts in self.wiring.joins[d]:
+            self.envs[0][value] = torch.cat([self.envs[k][value] for k in range(parts)])
+
+    def _gather(self, g: RowGather) -> None:
+        made = {}
+        for dtype in dict.fromkeys(leaf.dtype for leaf in g.leaves):
+            if len(g.ranks) == 1:  # a rank on its own: it has every part
+                made.update({(i, p): self.envs[p][g.names[i]] for i, p in g.pieces(g.ranks[0], dtype)})
+                continue
+            send = g.pack(self.envs, self.rank, dtype, self.buffers.device)
+            out = torch.empty(len(g.ranks) * send.numel(), dtype=dtype, device=self.buffers.device)
+            try:
+                work = dist.all_gather_single(out, send, group=self.reducers[g.ranks], async_op=True)
+            except RuntimeError as e:
+                raise LostPeer(self._failed(g, e)) from e
+            self._wait_collective(g, work)
+            made.update(g.parts(out, dtype))
+        self.envs[0].update(g.wholes(made))
 
     def post_receives(self) -> None:
         """Post every receive of the step up front, each into its buffer, in the order the senders send them:
@@ -261,7 +291,9 @@ class RankRun(_Run):
             col = self.wiring.collectives[c]
             if len(col.ranks) == 1:
                 continue  # a rank on its own: `reduce` takes the mean itself
-            if self.low.replicas == 2:
+            if col.rows:
+                self.gathers[c] = self._start_rows(c, col)
+            elif self.low.replicas == 2:
                 self.sums[c] = self._start_sum(c, col)
             else:
                 self.gathers[c] = self._start_shards(c, col)
@@ -290,16 +322,49 @@ class RankRun(_Run):
         the `_Serial` thread, which starts a rank's collectives in the order they come; on a GPU all of it is
         queued at once, on a side stream."""
         jobs = self._shard_jobs(c, col)
-        exchange = functools.partial(self._exchange, jobs, self.reducers[col.ranks])
+        return self._submit(col, functools.partial(self._exchange, jobs, self.reducers[col.ranks]),
+                            [job.out for job in jobs])
+
+    def _start_rows(self, c: int, col: ReduceCall) -> _Then:
+        """A reduce-scatter: per dtype, this rank's row parts of the gradients it holds go to the parts'
+        owners by an `all_to_all`, and this rank sums the parts it owns in replica order and divides
+        (`RowShards`); on the `_Serial` thread, as the sharded form. Its outs: (gradient, part) -> that part
+        of the mean. On a GPU all of it is queued on the rank's stream."""
+        jobs, means = [], {}
+        for sh in col.row_shards(self.rank):
+            def buf(role: str, numel: int, sh=sh) -> torch.Tensor:
+                return self.buffers.get((c, sh.dtype, role), numel * sh.dtype.itemsize, sh.dtype)
+            jobs.append((sh, sh.pack(self.envs, col, buf("send", sum(sh.send_counts))),
+                         buf("recv", sum(sh.recv_counts))))
+        group = self.reducers[col.ranks]
+
+        def exchange() -> list:
+            for sh, send, recv in jobs:
+                work = dist.all_to_all_single(recv, send, list(sh.recv_counts), list(sh.send_counts),
+                                              group=group, async_op=True)
+                work.wait() if self.cuda else work.wait(self.timeout)
+                means.update(sh.means(recv, col))
+            return []
+        if self.cuda:  # no side stream: the rank's stream then reads the parts in order
+            done: Future = Future()
+            try:
+                done.set_result(exchange())
+            except RuntimeError as e:
+                raise LostPeer(self._failed(col, e)) from e
+            return _Then(done, means)
+        return self._submit(col, exchange, means)
+
+    def _submit(self, col: ReduceCall, exchange: Callable[[], list], outs) -> _Then:
+        """Run a collective's `exchange` on the `_Serial` thread (CPU) or queue it on a side stream (GPU)."""
         try:
             if not self.cuda:
-                return _Then(_serial().submit(exchange), [job.out for job in jobs])
+                return _Then(_serial().submit(exchange), outs)
             side = _side_stream(self.buffers.device)
             side.wait_stream(torch.cuda.current_stream(self.buffers.device))
             done: Future = Future()
             with torch.cuda.stream(side):
                 done.set_result(exchange())
-            return _Then(done, [job.out for job in jobs])
+            return _Then(done, outs)
         except RuntimeError as e:
             raise LostPeer(self._failed(col, e)) from e
 
@@ -333,6 +398,9 @@ class RankRun(_Run):
         mean, as `replica_mean` computes it (the sum in replica order, then divided)."""
         for c in cs:
             col = self.wiring.collectives[c]
+            if col.rows:
+                self._scattered(col, self.gathers.pop(c, None))
+                continue
             if len(col.ranks) == 1:  # a rank on its own
                 means = dict(zip(col.names, replica_mean([[env[x] for x in col.names] for env in self.envs])))
             elif self.low.replicas == 2:
@@ -341,6 +409,19 @@ class RankRun(_Run):
                 means = self._gathered(col, self.gathers.pop(c))
             for env in self.envs:
                 env.update(means)
+
+    def _scattered(self, col: ReduceCall, then: _Then | None) -> None:
+        """A reduce-scatter's parts of the mean into the tables of the replicas that update them (a rank on
+        its own in it, `then` None: every part, from its replicas' gradients)."""
+        if then is not None:
+            self._wait_collective(col, then)
+            means = then.outs
+        else:
+            n = len(col.rows)
+            means = {(j, p): x for p in range(n) for j, x in enumerate(replica_mean(
+                [[rows(env[name], n, p) for name in col.names] for env in self.envs]))}
+        for (j, p), x in means.items():
+            self.envs[p][col.names[j]] = x
 
     def _summed(self, col: ReduceCall, parts: Sequence[_SumPart]) -> dict[str, torch.Tensor]:
         """The means of a two-replica collective: its sums, divided."""

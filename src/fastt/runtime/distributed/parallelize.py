@@ -23,7 +23,7 @@ from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
-from .step import DistributedStep, check_same
+from .step import DistributedStep, check_same, whole_state
 from .wiring import wire
 
 
@@ -56,6 +56,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, "
                          f"not on this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
+    whole_state(model, optimizer)  # a zero step's rows on other ranks would capture another step
     graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
                           clip_grad_norm=clip_grad_norm, autocast=autocast)
     threads = torch.get_num_threads()
@@ -63,7 +64,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     chosen = decide(graph, cl, n_devices=world, planner=planner, strategy=strategy, tuner=tuner,
                     measure=lambda batches, _: measure_step(graph, model, optimizer, example_inputs, batches,
                                                             threads, 1),
-                    alone=alone_on_rank0, sharded=False)
+                    alone=alone_on_rank0, chained=False)
     strategy, costs = chosen.strategy, chosen.costs
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -79,9 +80,6 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
                  tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
-    if strategy.sharded:
-        raise FasttError(f"the plan shards {len(strategy.sharded)} updates (the zero planner), which only "
-                         "the local runtime runs so far: plan another way for torchrun ranks")
     if any("update:" in name for name in strategy.chained):
         raise FasttError("the plan updates tensor-parallel weights in parts (chained updates, the megatron "
                          "planner), which only the local runtime runs so far: plan another way for torchrun "
@@ -108,6 +106,7 @@ def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _between_barriers(step: DistributedStep, *batch: torch.Tensor) -> float:
     """Seconds of one step of every rank: from a barrier before it to one after, the device's work done."""
     device = step.buffers.device
+    step.whole_state()  # after a rival's sharded step: not this step's time
     synchronized(device)
     dist.barrier()
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
@@ -39,9 +40,9 @@ class DistributedStep(PlacedStep):
     what `DistributedSampler` and a DataLoader of batch B/world give rank r). The rows a plan reads on another
     rank travel there. Every rank may instead pass the same whole batch (nothing travels). The loss comes back
     on rank 0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep
-    what their devices read."""
+    what their devices read: of a sharded update's state (`fastt.shard`), only their rows."""
 
-    sharded = False  # sharded updates run on the local runtime only, so far
+    chained = False  # tensor-parallel weights (chained updates) run on the local runtime only, so far
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
                  wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,
@@ -85,6 +86,7 @@ class DistributedStep(PlacedStep):
         return self._feed
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        self.whole_state()
         t0 = time.perf_counter()
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
@@ -109,16 +111,21 @@ class DistributedStep(PlacedStep):
             with self._failing():
                 run.run()
         tensors = [*params, *buffers, *(s for ss in states for s in ss)]
-        self._keep(envs, dict(zip(programs.placeholders, tensors)))
+        slots = [(p, k) for p, keys in zip(params, step.state_keys) for k in keys]
+        self._keep(envs, dict(zip(programs.placeholders, tensors)),
+                   dict(zip(programs.placeholders[len(params) + len(buffers):], slots)))
+        if self.wiring.gathers:  # other ranks now hold their rows of the state: another plan needs it whole
+            _ROWS_HELD[self.optimizer] = (self.placed.strategy, step)
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
             self._tune(time.perf_counter() - t0, run.timings)
         return loss
 
-    def _keep(self, envs: list[dict], named: dict[str, torch.Tensor]) -> None:
-        """The step's new state into the model and optimizer (`named`: by placeholder): the slices other ranks
-        wrote into this rank's buffers, and the values this rank keeps."""
+    def _keep(self, envs: list[dict], named: dict[str, torch.Tensor], slots: dict[str, tuple]) -> None:
+        """The step's new state into the model and optimizer (`named`: by placeholder; `slots`: a state's
+        parameter and key): the slices other ranks wrote into this rank's buffers, and the values this rank
+        keeps (a sharded update's rows of its state in place of the whole, or back to the whole)."""
         for c in self.wiring.merge[self.rank]:
             torch.tensor_split(named[c.buffer], c.parts, c.dim)[c.index].copy_(envs[0][c.name])
         for x, (k, value) in self.wiring.keep[self.rank].items():
@@ -126,8 +133,15 @@ class DistributedStep(PlacedStep):
             target = named[x]
             if isinstance(target, torch.nn.Parameter):
                 target.data = new
+            elif new.shape != target.shape:
+                p, key = slots[x]
+                self.optimizer.state[p][key] = new
             elif new is not target:
                 target.copy_(new)
+
+    def whole_state(self) -> None:
+        """`whole_state` before a step of this plan: `__call__` calls it, and the trial before timing one."""
+        whole_state(self.model, self.optimizer, self.placed.strategy)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -260,19 +274,43 @@ def check_same(wiring: Wiring) -> None:
                          "do all ranks build the same model and inputs?")
 
 
+def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                strategy: Strategy | None = None) -> None:
+    """Every rank takes rank 0's state if a step of another plan than `strategy` left the other ranks holding
+    only their rows of a sharded update's state (a trial's rival; a step, or a capture, of another plan on
+    this optimizer). Every rank calls it alike: every rank ran the same steps."""
+    held = _ROWS_HELD.get(optimizer)
+    # by value, which every rank has alike (rank 0's tuner may have rewired its own step meanwhile)
+    if held is not None and held[0] is not strategy and held[0] != strategy:
+        sync_from_rank0(model, optimizer, held[1])
+
+
 def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
-    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer)."""
+    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer); a
+    rank that held only its rows of a state (a sharded update's) gets it whole."""
+    _ROWS_HELD.pop(optimizer, None)
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
     tensors = [*params, *buffers, *(s for ss in states for s in ss)]
-    leaves = [Leaf(t.shape, torch.empty(t.shape, device="meta").stride(), t.dtype) for t in tensors]
+    slots = [None] * (len(params) + len(buffers)) + [(p, k) for p, keys in zip(params, step.state_keys)
+                                                      for k in keys]
+    vals = [n.meta["val"] for n in step.gm.graph.nodes if n.op == "placeholder"][:len(tensors)]
+    shapes = [v.shape for v in vals]  # whole, on every rank
+    leaves = [Leaf(shape, torch.empty(shape, device="meta").stride(), t.dtype)
+              for t, shape in zip(tensors, shapes)]
     buf = (pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else
            torch.empty(packed_size(leaves), dtype=torch.uint8, device=tensors[0].device))
     dist.broadcast(buf, src=0)
     if dist.get_rank() == 0:
         return
     with torch.no_grad():
-        for t, new in zip(tensors, unpack(buf, leaves)):
+        for t, new, slot in zip(tensors, unpack(buf, leaves), slots):
             if isinstance(t, torch.nn.Parameter):
                 t.data = new
+            elif t.shape != new.shape:
+                optimizer.state[slot[0]][slot[1]] = new
             else:
                 t.copy_(new)
+
+
+# optimizer -> (strategy, captured step) of a step that left other ranks holding only their rows of its state
+_ROWS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

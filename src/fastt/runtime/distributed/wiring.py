@@ -11,10 +11,10 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import TreeSpec
 
 from ...errors import FasttError
-from ...lower import JOIN, PART, Lowered, Task, part_names, part_reads
+from ...lower import JOIN, PART, SHARD, Lowered, Task, part_names, part_reads
 from ...split import run_part, view_part
-from ..programs import Programs, Segment
-from .collectives import Bounds, ReduceCall, frozen, order_collectives
+from ..programs import Programs, Segment, row_counts, scattered
+from .collectives import Bounds, ReduceCall, RowGather, frozen, order_collectives
 from .packing import Leaf
 
 Value = tuple[int, str]  # (replica, name): a value in one replica's table
@@ -69,6 +69,10 @@ class Wiring:
     inbox: tuple[tuple[int, ...], ...] = ()  # per rank, the messages it receives, in the order they are sent
     collectives: tuple[ReduceCall, ...] = ()  # in the order every rank starts them
     start_before: Bounds = ()
+    # Sharded updates: the all-gathers of their new parameters at the end, and per rank the values whose
+    # rows it joins after the end-of-step messages (the state that rank 0 keeps whole), each with its parts.
+    gathers: tuple[RowGather, ...] = ()
+    joins: tuple[tuple[tuple[str, int], ...], ...] = ()
 
 
 class _Need(NamedTuple):
@@ -200,7 +204,7 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                     first.setdefault(a, i)
         recv_before.append(tuple(recvs))
         first_read.append(first)
-    final, keep, chunks, merge = _final(low, programs, where, post)
+    final, keep, chunks, merge, rowed_end = _final(low, programs, where, post)
     values = list(dict.fromkeys(v for m in post.messages for v in m.values))
     info = {c.name: c for cs in chunks for c in cs}
     grads = list(dict.fromkeys(name for names in low.allreduces.values() for name in names))
@@ -210,27 +214,49 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
         raise FasttError(f"values {bad[:3]} cross devices but are not tensors: "
                          "this plan cannot run distributed")
     order = order_collectives(low, programs, post.send_after, segment_of, first_read, recv_before,
-                              {name: layouts[name].leaves[0] for name in grads})
-    travel = {(k, name): layouts[name] for k, name in values}
+                              {name: layouts[name].leaves[0] for name in grads}, _owners(low, programs))
+    rowed = _rows_made(low, programs)
+    travel = {(k, name): layouts[name] if name not in rowed else _rows_layout(layouts[name], rowed[name], k)
+              for k, name in values}
     leaves = tuple(tuple(leaf for v in m.values for leaf in travel[v].leaves) for m in post.messages)
     # A rank sends segment by segment, then its end-of-step messages: the order each direction carries them.
     sent = [i for segs in post.send_after for ms in segs for i in ms] + final
     inbox = tuple(tuple(i for i in sent if post.messages[i].dst == d) for d in range(len(programs.devices)))
     return Wiring(tuple(post.messages), tuple(recv_before), order.reduce_before,
                   frozen(post.send_after), tuple(final), keep,
-                  travel, chunks, merge, leaves, inbox, order.collectives, order.start_before)
+                  travel, chunks, merge, leaves, inbox, order.collectives, order.start_before,
+                  *_gathers(rowed_end, programs))
 
 
 def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Post) -> tuple:
     """End-of-step messages: the new state to the ranks that read it next step (and rank 0), the losses to
     rank 0. Returns (message indices, per rank {placeholder: value} it keeps from its own replicas, per rank
-    the chunks it names, per rank the chunks it merges)."""
+    the chunks it names, per rank the chunks it merges, `_RowsEnd`). What a sharded update makes by rows: a
+    new parameter is all-gathered to its readers; of its state a rank keeps its own rows, and rank 0 (or a
+    rank of more parts or none) gets every part and joins them."""
     n_dev = len(programs.devices)
     new, buffers, partial = _new_state(low, programs, where)
     readers = _readers(low, programs, [*new, *partial])
     needs: list[list] = [[] for _ in range(n_dev)]
     keep: list[dict[str, Value]] = [{} for _ in range(n_dev)]
+    rowed, params = _rows_made(low, programs), set(programs.placeholders[:len(low.step.param_names)])
+    end = _RowsEnd({}, [[] for _ in range(n_dev)])
     for x, value in new.items():
+        parts = rowed.get(value)
+        if parts:
+            owners = tuple(where[k, value] for k in range(parts))
+            if x in params:
+                end.gathered[value] = (owners, tuple(sorted(readers[x] | set(owners))))
+            for d in sorted(readers[x]):
+                own = [k for k in range(parts) if owners[k] == d]
+                if x not in params and d != 0 and len(own) == 1:
+                    keep[d][x] = (own[0], value)
+                    continue
+                keep[d][x] = (0, value)
+                if x not in params:
+                    end.joins[d].append((value, parts))
+                    needs[d] += [post.need(k, value, d) for k in range(parts)]
+            continue
         for d in sorted(readers[x]):
             own = [k for k in range(low.replicas) if where.get((k, value)) == d]
             # Every replica applies the same update, so a rank's own replica's new parameter is the same.
@@ -250,7 +276,60 @@ def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Pos
                     merge[r].append(piece)
     needs[0] += [post.need(k, programs.outputs[0], 0) for k in range(low.replicas)]
     final = [m for d in range(n_dev) for m in post.post(d, [x for x in needs[d] if x], at_end=True)]
-    return final, tuple(keep), tuple(map(tuple, chunks)), tuple(map(tuple, merge))
+    return final, tuple(keep), tuple(map(tuple, chunks)), tuple(map(tuple, merge)), end
+
+
+class _RowsEnd(NamedTuple):
+    """What a step's end does with the results of sharded updates: new parameters gathered (value -> (the
+    rank of each part, the ranks of the gather)), and per rank the values whose parts it joins."""
+
+    gathered: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    joins: list[list[tuple[str, int]]]
+
+
+def _gathers(end: _RowsEnd, programs: Programs) -> tuple[tuple[RowGather, ...], tuple]:
+    """The all-gathers of the new parameters (one per set of ranks) and each rank's joins."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for value, (_, ranks) in end.gathered.items():
+        groups.setdefault(ranks, []).append(value)
+    leaf = {v: Leaf.of(programs.nodes[v].meta["val"]) for v in end.gathered}
+    gathers = tuple(RowGather(ranks, tuple(names), tuple(leaf[v] for v in names),
+                              tuple(end.gathered[v][0] for v in names)) for ranks, names in groups.items())
+    return gathers, tuple(map(tuple, end.joins))
+
+
+def _rows_made(low: Lowered, programs: Programs) -> dict[str, int]:
+    """The step's results that sharded updates make by rows (name -> parts): each new parameter, and each new
+    state of the parameter's shape (not Adam's step counter, which every part computes whole)."""
+    outs, out = set(programs.outputs), {}
+    for prog in low.programs:
+        for t in prog:
+            if t.kind == SHARD:
+                shape = programs.nodes[t.head].meta["val"].shape
+                for name in t.nodes:
+                    if name in outs and programs.nodes[name].meta["val"].shape == shape:
+                        out[name] = t.part[2]
+    return out
+
+
+def _rows_layout(whole: Layout, parts: int, k: int) -> Layout:
+    """How part k of a value made by rows travels: its rows, contiguous."""
+    leaf = whole.leaves[0]
+    shape = (row_counts(leaf.shape[0], parts)[k], *leaf.shape[1:])
+    return Layout(whole.spec, (Leaf(shape, torch.empty(shape, device="meta").stride(), leaf.dtype),))
+
+
+def _owners(low: Lowered, programs: Programs) -> dict[int, tuple[int, ...]]:
+    """Reduce-scatters that the ranks run as such (`programs.scattered`: not one a gradient clip's norm also
+    reads whole) -> the rank that updates each row part."""
+    device_of = {t.op: d for d, prog in enumerate(low.programs) for t in prog}
+    given, out = scattered(low), {}
+    for a, names in low.allreduces.items():
+        if names and set(names) <= given:
+            by_part = {low.graph.ops[s].split[1]: device_of[s] for s in low.graph.succs[a]
+                       if low.graph.ops[s].split}
+            out[a] = tuple(by_part[p] for p in range(len(by_part)))
+    return out
 
 
 def _new_state(low: Lowered, programs: Programs,
