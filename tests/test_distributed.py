@@ -27,7 +27,7 @@ import fastt
 from fastt import zoo
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
-from fastt.split import split
+from fastt.split import chain_all, split, split_all
 from fastt.strategy import Split
 
 FULL = os.environ.get("FASTT_DISTRIBUTED") == "full"
@@ -291,6 +291,22 @@ def test_batch_norm_split_by_channel_across_ranks(tmp_path: Path) -> None:
     s = strategy_from(g, "forced", 2, [op.split[1] if op.split else 0 for op in g.ops])
     dataclasses.replace(s, splits=splits).save(tmp_path / "plan.json")
     rc, _, err = run(2, "--model", "resnet50", "--planners", "fastt", "--strategy", str(tmp_path / "plan.json"),
+                     "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-5
+
+
+def test_split_chains_across_ranks(tmp_path: Path) -> None:
+    """bert's MLP block split in two and chained (its dense by columns, gelu by dim2 through the views, the
+    output dense by its reduction dim): part k reads part k on its rank, and training equals eager."""
+    w = zoo.get("bert-base", "test", dropout=False)
+    g = dataclasses.replace(fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs), recapture=None)
+    splits = (Split("addmm_4", "cols", 2), Split("gelu", "dim2", 2), Split("addmm_5", "reduction", 2))
+    chained = ("gelu", "addmm_5")
+    sg = chain_all(split_all(g, [(sp.op, sp.dim, sp.parts) for sp in splits]), chained)
+    s = strategy_from(sg, "forced", 2, [op.split[1] if op.split else 0 for op in sg.ops])
+    dataclasses.replace(s, splits=splits, chained=chained).save(tmp_path / "plan.json")
+    rc, _, err = run(2, "--model", "bert-base", "--planners", "fastt", "--strategy", str(tmp_path / "plan.json"),
                      "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
     assert rc == 0, err[-3000:]
     assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-5
