@@ -33,7 +33,7 @@ COMM_BOUND = ("8xA100-pcie", "2x4xV100", "2x4xV100-pcie", "2x4xA100@25Gbps", "4x
 NVLINK = ("4xV100", "8xV100", "8xA100")
 MODELS = ("lenet", "mlp", "alexnet", "vgg19", "inception_v3", "resnet50", "transformer", "bert-base", "bert-large",
           "gpt2", "gnmt", "dlrm")
-PLANNERS_SHOWN = ("fastt", "dp", "os-dpos", "search", "owt", "table-wise", "pipeline")
+PLANNERS_SHOWN = ("fastt", "dp", "os-dpos", "search", "owt", "table-wise", "pipeline", "megatron", "zero")
 TOYS = ("lenet", "mlp")  # left out of the means: tiny steps where launch and allreduce latency are all there is
 
 
