@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import fastt
 from fastt import zoo
 from fastt.errors import FasttError
+from fastt.layers import where
 from fastt.plan import get_planner
 from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
@@ -226,6 +227,8 @@ def test_megatron_cuts_every_mlp_and_trains_as_eager(name: str) -> None:
     held = {split_g.ops[r].name for r in sharded_residents(split_g)}
     assert {f"param:{n}" for n in mlps} <= held and len(mlps) >= 4
     assert all(f"update:{n}" in s.chained for n in mlps)
+    said = dict(where(g, s.holders, [0, 0], s.sharded, s.chained))
+    assert sum("tensor-parallel" in d for d in said.values()) >= 2  # fastt plan's words for the blocks
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
     ref = make(name)
     tol = 1e-12 if name == "transformer" else 1e-5

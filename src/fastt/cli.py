@@ -277,7 +277,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
     if a.out:
         strategy.save(a.out)
     tl = api.simulate(graph, strategy, cl)
-    held = where(graph, strategy.holders, [d.node for d in cl.devices], strategy.sharded)
+    held = where(graph, strategy.holders, [d.node for d in cl.devices], strategy.sharded, strategy.chained)
     summary = {"model": a.model, "cluster": a.cluster, "planner": a.planner, "precision": a.precision,
                "iteration_s": tl.iteration_s,
                "fits": bool(tl.fits), "out": a.out, "ops": len(graph.ops), "fx_nodes": graph.fx_nodes,

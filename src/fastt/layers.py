@@ -194,18 +194,20 @@ def _name(graph: OpGraph, params: Sequence[int]) -> str:
     return "+".join(dict.fromkeys(modules))
 
 
-def where(graph: OpGraph, holders: Mapping[str, Sequence[int]],
-          nodes: Sequence[int], sharded: Sequence[str] = ()) -> list[tuple[str, str]]:
+def where(graph: OpGraph, holders: Mapping[str, Sequence[int]], nodes: Sequence[int],
+          sharded: Sequence[str] = (), chained: Sequence[str] = ()) -> list[tuple[str, str]]:
     """A plan in its own words: runs of consecutive layers held alike, as (`features.0 … features.28 (16
     layers)`, `every device`), from the plan's parameter holders and each device's node; `sharded` (the plan's
-    sharded updates) adds "updates sharded" to a layer all of whose updates are."""
+    sharded updates) adds "updates sharded" to a layer all of whose updates are, and `chained` (its chained
+    ops) "tensor-parallel" to a layer whose weight each device holds a share of (`split.chain_update`)."""
     found = layers(graph)
     n = len(nodes)
-    rows = set(sharded)
+    rows, cut = set(sharded), set(chained)
 
     def devices(layer: Layer) -> str:
         ups = {graph.ops[p].name.replace("param:", "update:", 1) for p in layer.params}
-        return placed(layer) + (", updates sharded" if ups and ups <= rows else "")
+        return (placed(layer) + (", updates sharded" if ups and ups <= rows else "")
+                + (", tensor-parallel" if ups & cut else ""))
 
     def placed(layer: Layer) -> str:
         held = sorted({d for p in layer.params for d in holders.get(graph.ops[p].name, ())})
