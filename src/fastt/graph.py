@@ -298,14 +298,20 @@ def without(g: OpGraph, gone: set[int]) -> OpGraph:
     """`g` without ops `gone` (nothing kept may read them), the rest renumbered."""
     if not gone:
         return g
-    first = min(gone)
-    new = list(range(len(g.ops)))  # each kept op's index in the new graph
-    ops = list(g.ops[:first])  # the ops before the first dropped one stay as they are
-    for i in range(first, len(g.ops)):
-        if i in gone:
-            continue
-        op = g.ops[i]
-        new[i] = len(ops)
+    return replace(g, ops=tuple(renumbered(g.ops, lambda i, op, at, new: [] if i in gone else None)[0]))
+
+
+def renumbered(ops: Sequence[Op], expand: Callable[[int, Op, int, list[int]], list[Op] | None]
+               ) -> tuple[list[Op], list[int]]:
+    """`ops` rebuilt in order, each reading its producers' new indices, and each op's new index (its last
+    replacement's): `expand(i, op, at, new)` gives the ops that replace op i (`op` already renumbered, the
+    first of them at index `at`; `new` so far), or None to keep it."""
+    out: list[Op] = []
+    new = [0] * len(ops)
+    for i, op in enumerate(ops):
         ins, ups = tuple(new[j] for j in op.inputs), tuple(new[u] for u in op.updates)
-        ops.append(op if ins == op.inputs and ups == op.updates else replace(op, inputs=ins, updates=ups))
-    return replace(g, ops=tuple(ops))
+        op = op if ins == op.inputs and ups == op.updates else replace(op, inputs=ins, updates=ups)
+        more = expand(i, op, len(out), new)
+        out += [op] if more is None else more
+        new[i] = len(out) - 1
+    return out, new

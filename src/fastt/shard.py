@@ -44,7 +44,7 @@ def param_of(g: OpGraph, op: Op) -> Op | None:
     return next((g.ops[u] for u in op.updates if g.ops[u].kind == PARAM), None)
 
 
-def _nodes(g: OpGraph) -> dict[str, torch.fx.Node]:
+def fx_nodes(g: OpGraph) -> dict[str, torch.fx.Node]:
     """The captured step's fx nodes by name (empty for a graph built by hand), looked up once per capture."""
     gm = getattr(g.fx, "gm", None)
     if gm is None:
@@ -56,7 +56,7 @@ def _nodes(g: OpGraph) -> dict[str, torch.fx.Node]:
 
 def shape_of(g: OpGraph, op: Op) -> torch.Size | None:
     """The shape of a resident op's value in the captured step, if the graph carries its capture."""
-    node = _nodes(g).get(op.nodes[0]) if op.nodes else None
+    node = fx_nodes(g).get(op.nodes[0]) if op.nodes else None
     val = node.meta.get("val") if node is not None else None
     return val.shape if isinstance(val, torch.Tensor) else None
 
@@ -82,7 +82,7 @@ def shardable(g: OpGraph, i: int, parts: int, dim: int = 0) -> str:
     param = param_of(g, op)
     if op.kind != UPDATE or param is None:
         return f"'{op.name}' updates no parameter"
-    nodes = _nodes(g)
+    nodes = fx_nodes(g)
     if nodes:
         shape = shape_of(g, param)
         if shape is None or len(shape) <= dim or shape[dim] < parts:
@@ -181,6 +181,12 @@ def held(g: OpGraph, holders: Mapping[int, Sequence[int]], device_of: Sequence[i
     return out
 
 
+def chained_part(g: OpGraph, op: Op) -> bool:
+    """Whether update part `op` reads its gradient's part (a tensor-parallel weight's, `split.chain_update`)
+    rather than a reduce-scatter's rows (ZeRO's)."""
+    return any(g.ops[j].split and g.ops[j].kind != UPDATE for j in op.inputs)
+
+
 def sharded_residents(g: OpGraph) -> dict[int, int]:
     """Residents a sharded update writes of which each part's device holds only its rows (resident index ->
     parts): its optimizer state, and the parameter itself where every op reads only a part of it (a tensor-
@@ -188,7 +194,7 @@ def sharded_residents(g: OpGraph) -> dict[int, int]:
     out: dict[int, int] = {}
     for op in g.ops:
         if op.kind == UPDATE and op.split:
-            chained = any(g.ops[j].split and g.ops[j].kind != UPDATE for j in op.inputs)  # a gradient's part
+            chained = chained_part(g, op)
             for j, b in zip(op.inputs, op.in_bytes):
                 if b < g.ops[j].out_bytes and (g.ops[j].kind == STATE or chained and g.ops[j].kind == PARAM):
                     out[j] = op.split[2]

@@ -16,18 +16,26 @@ Random ops (dropout's `bernoulli`) are left out: parts would draw different numb
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 from .coarsen import ALIAS
 from .errors import FasttError
-from .graph import COMPUTE, UPDATE, Op, OpGraph, data_parallel_graph, without, without_unplaced_updates
-from .shard import CUTS, param_of, rows_of, shape_of, shard_updates, shardable, shares, update_part
+from .graph import (
+    COMPUTE,
+    UPDATE,
+    Op,
+    OpGraph,
+    data_parallel_graph,
+    renumbered,
+    without,
+    without_unplaced_updates,
+)
+from .shard import CUTS, fx_nodes, param_of, rows_of, shape_of, shard_updates, shardable, shares, update_part
 from .strategy import Strategy
 
 aten = torch.ops.aten
@@ -315,20 +323,14 @@ def join(spec: SplitSpec, outs: Sequence[Any]) -> Any:
 # ---- the graph pass
 # ------------------------------------------------------------------------------------------
 
-_NODES: weakref.WeakKeyDictionary[GraphModule, dict[str, Node]] = weakref.WeakKeyDictionary()
-
-
 def _fx_node(graph: OpGraph, name: str) -> Node | None:
-    """The captured fx node `name`, if the graph carries its capture (replicated graphs do not, yet)."""
-    gm = getattr(graph.fx, "gm", None)
-    if gm is None or not name:
-        return None
-    if gm not in _NODES:
-        _NODES[gm] = {n.name: n for n in gm.graph.nodes}
-    return _NODES[gm].get(name)
+    """The captured fx node `name`, if the graph carries its capture (`shard.fx_nodes`)."""
+    return fx_nodes(graph).get(name) if name else None
 
 
-def _vals(node: Node) -> tuple[list[Any], dict[str, Any]]:
+def fake_args(node: Node) -> tuple[list[Any], dict[str, Any]]:
+    """Node `node`'s args and kwargs with every fx node replaced by its value in the capture (a fake
+    tensor)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
     return list(args), dict(kwargs)
 
@@ -355,7 +357,7 @@ def splittable(op: Op, graph: OpGraph | None = None) -> list[str]:
         return [d for d, spec in rules.items() if spec.valid is None]
     if not _only_aliases(graph, op):
         return []
-    args, kwargs = _vals(node)
+    args, kwargs = fake_args(node)
     return [d for d in rules if split_size(node.target, d, args, kwargs) >= 2]
 
 
@@ -364,7 +366,7 @@ def max_parts(op: Op, graph: OpGraph, dim: str) -> int | None:
     node = _fx_node(graph, op.head)
     if node is None:
         return None
-    args, kwargs = _vals(node)
+    args, kwargs = fake_args(node)
     return split_size(node.target, dim, args, kwargs)
 
 
@@ -388,7 +390,7 @@ def _layout(graph: OpGraph, op: Op, dim: str, parts: int) -> _Layout:
                              f"'{graph.name}' does not carry its capture to check them: split along one of "
                              f"{splittable(op, graph)}")
         return _layout_by_bytes(op, spec, parts)
-    args, kwargs = _vals(node)
+    args, kwargs = fake_args(node)
     size = split_size(node.target, dim, args, kwargs)
     if size < 2:
         raise FasttError(f"op '{op.name}' cannot be split along '{dim}' for its argument shapes: "
@@ -462,16 +464,9 @@ def split_all(graph: OpGraph, splits: Sequence[tuple[str, str, int]]) -> OpGraph
         want[op] = (dim, parts)
     if not want:
         return graph
-    ops: list[Op] = []
-    new = [0] * len(graph.ops)  # each op's index in the new graph (a split op's: its join's)
-    for i, o in enumerate(graph.ops):
-        ins, ups = tuple(new[j] for j in o.inputs), tuple(new[u] for u in o.updates)
-        o = o if ins == o.inputs and ups == o.updates else replace(o, inputs=ins, updates=ups)
-        if o.name in want:
-            ops += _parts(graph, o, *want[o.name], at=len(ops))
-        else:
-            ops.append(o)
-        new[i] = len(ops) - 1
+    # a split op's readers read its join, the last of its replacements
+    ops, _ = renumbered(graph.ops, lambda i, o, at, new: _parts(graph, o, *want[o.name], at=at)
+                        if o.name in want else None)
     return OpGraph(ops=tuple(ops), name=graph.name, batch=graph.batch, fx=graph.fx, replicas=graph.replicas,
                    fx_nodes=graph.fx_nodes)
 
@@ -589,7 +584,7 @@ def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
     cnode = _fx_node(graph, c.head)
     if cnode is None:
         return {}
-    cdims = slice_dims(rule(c.target, c.split[0]), _vals(cnode)[0])
+    cdims = slice_dims(rule(c.target, c.split[0]), fake_args(cnode)[0])
     out: dict[int, list[int]] = {}
     for j, src in enumerate(c.inputs):
         join_op = graph.ops[src]
@@ -697,14 +692,9 @@ def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
                     in_parts[j] = ()
             ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
     if updates:
-        out: list[Op] = []
-        new = [0] * len(ops)
-        for i, o in enumerate(ops):
-            ins, ups = tuple(new[j] for j in o.inputs), tuple(new[u] for u in o.updates)
-            o = o if ins == o.inputs and ups == o.updates else replace(o, inputs=ins, updates=ups)
-            out += _update_parts(graph, o, updates[i], new) if i in updates else [o]
-            new[i] = len(out) - 1
-        ops, joins = out, {new[j] for j in joins}
+        ops, new = renumbered(ops, lambda i, o, at, new: _update_parts(graph, o, updates[i], new)
+                              if i in updates else None)
+        joins = {new[j] for j in joins}
     return _without_unread(replace(graph, ops=tuple(ops)), joins)
 
 

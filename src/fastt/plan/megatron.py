@@ -32,8 +32,10 @@ from ..cluster import Cluster
 from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import COMPUTE, PARAM, UPDATE, OpGraph
+from ..shard import fx_nodes
 from ..split import (
     chain_links,
+    fake_args,
     graph_for,
     rule,
     slice_dims,
@@ -51,10 +53,10 @@ MATMULS = ("aten.addmm.default", "aten.mm.default")
 
 
 def _nodes(graph: OpGraph) -> dict[str, Node]:
-    gm = getattr(graph.fx, "gm", None)
-    if gm is None:
+    nodes = fx_nodes(graph)
+    if not nodes:
         raise FasttError(f"graph '{graph.name}' was built by hand: megatron reads the captured step's shapes")
-    return {n.name: n for n in gm.graph.nodes}
+    return nodes
 
 
 def _cut_views(nodes: dict[str, Node], op_nodes: tuple[str, ...], cut: dict[str, int]) -> None:
@@ -86,8 +88,7 @@ def _propagate(graph: OpGraph, seeds: dict[str, int], parts: int) -> tuple[list[
                   if isinstance(a, Node) and a.name in cut}
         if not cut_at or any(isinstance(v, Node) and v.name in cut for v in head.kwargs.values()):
             continue
-        vals = [a.meta.get("val") if isinstance(a, Node) else a for a in head.args]
-        kwargs = {k: v.meta.get("val") if isinstance(v, Node) else v for k, v in head.kwargs.items()}
+        vals, kwargs = fake_args(head)
         for dim in splittable(op, graph):
             spec = rule(op.target, dim)
             dims = slice_dims(spec, vals)
@@ -122,8 +123,7 @@ def _param_cuts(graph: OpGraph, splits: list[Split]) -> dict[str, set[int | None
                 dims.add(None)
                 continue
             head = nodes[reader.head]
-            sliced = slice_dims(rule(reader.target, split_of[reader.name]),
-                                [a.meta.get("val") if isinstance(a, Node) else a for a in head.args])
+            sliced = slice_dims(rule(reader.target, split_of[reader.name]), fake_args(head)[0])
             for pos, a in enumerate(head.args):
                 if isinstance(a, Node) and (a.name == op.nodes[0] or a.name in op.nodes):
                     dims.add(_param_dim(nodes, op, a, sliced[pos]))

@@ -25,7 +25,7 @@ from ..cost import MeasuredCosts
 from ..errors import FasttError
 from ..graph import UPDATE, OpGraph
 from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower, part_reads
-from ..shard import CUTS, REDUCE_SCATTER, sharded_residents
+from ..shard import CUTS, REDUCE_SCATTER, chained_part, sharded_residents
 from ..simulate import simulate_plan
 from ..split import rule, slice_dims
 from ..strategy import Strategy
@@ -125,7 +125,7 @@ def held_rows(low: Lowered) -> dict[str, int]:
     out = {}
     for j, parts in sharded_residents(g).items():
         writers = [g.ops[i] for i in g.succs[j] if g.ops[i].kind == UPDATE and g.ops[i].split]
-        if not any(g.ops[x].split and g.ops[x].kind != UPDATE for w in writers for x in w.inputs):
+        if not any(chained_part(g, w) for w in writers):
             out[g.ops[j].nodes[0]] = parts
     return out
 
