@@ -18,7 +18,16 @@ from fastt.cluster import cluster
 from fastt.layers import layers
 from fastt.plan import graph_for
 from fastt.plan.mixed import Spread, mixed_strategy
-from fastt.plan.search import SpreadCosts, blocks, choices, descend, solve, spread_costs, spread_plans
+from fastt.plan.search import (
+    SpreadCosts,
+    blocks,
+    choices,
+    descend,
+    solve,
+    spread_costs,
+    spread_plans,
+    two_stage,
+)
 
 
 @st.composite
@@ -81,6 +90,22 @@ def test_descent_never_ends_worse_than_where_it_started() -> None:
         for overlap in (True, False):
             end = descend(costs, overlap, start, time.perf_counter() + 10)
             assert costs.objective(end, overlap) <= costs.objective(start, overlap)
+
+
+def test_two_stage_is_the_best_pick_with_one_cut_by_brute_force() -> None:
+    """Over every pick of lenet's layers on two nodes of two, those that change choice exactly once: the
+    two-stage start `descend` gets is the best of them, and descending from it ends no worse."""
+    g, cl = graph_of("lenet"), cluster("2x2xV100-pcie")
+    costs = spread_costs(g, cl, layers(g))
+    K, C = len(costs.compute), len(costs.spreads)
+    one_cut = [p for p in itertools.product(range(C), repeat=K)
+               if sum(a != b for a, b in itertools.pairwise(p)) == 1]
+    for overlap in (True, False):
+        best = min((costs.excess(p), costs.objective(p, overlap)) for p in one_cut)
+        start = two_stage(costs, overlap)
+        assert (costs.excess(start), costs.objective(start, overlap)) == pytest.approx(best)
+        end = descend(costs, overlap, start, time.perf_counter() + 10)
+        assert costs.objective(end, overlap) <= costs.objective(start, overlap)
 
 
 @pytest.mark.parametrize("name", ["lenet", "resnet50", "transformer", "gpt2", "dlrm", "rnnlm"])

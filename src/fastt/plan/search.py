@@ -19,8 +19,9 @@ The objective is the step's makespan bound: T at least every device's compute an
 overlap), or, in the second model, a device's compute plus the busiest link it uses (they do not). Neither is
 the truth; the simulator is, and `fastt` (portfolio.best_plan) keeps whichever plan simulates fastest, beside
 the expert plans and OS-DPOS's. Layers are merged into blocks of consecutive layers (`blocks`) so that large
-models solve in seconds. Per objective, a local search from data parallelism (`descend`) and the ILP (`solve`)
-each give a pick, and the better one becomes a plan. In the ILP a pair of choices per edge is linearised by
+models solve in seconds. Per objective, a local search (`descend`) from data parallelism and from the best
+two-stage pick (`two_stage`), and the ILP (`solve`), each give a pick, and the best one becomes a plan. In the
+ILP a pair of choices per edge is linearised by
 Alpa's trick: y[e, a, b] >= 0 with x[u, a] = sum_b y and x[v, b] = sum_a y, exact when the x are 0/1, so only
 the x are integers.
 """
@@ -150,12 +151,12 @@ def blocks(costs: SpreadCosts, params: Sequence[float], limit: int = 32) -> list
 
 
 def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: float) -> list[int]:
-    """Local search on the objective from `pick`: the best of giving one block, or every block before or after
-    one (a pipeline's cut), another choice, taken while it helps (or until the deadline). Where `pick` does
-    not fit, the memory it overflows by is lowered first (a plan that fits where data parallelism
+    """Local search on the objective from `pick`: the best of giving one block, every block before or after
+    one (a pipeline's cut), or every block another choice, taken while it helps (or until the deadline). Where
+    `pick` does not fit, the memory it overflows by is lowered first (a plan that fits where data parallelism
     does not)."""
     K, C = len(pick), len(costs.spreads)
-    moves = ([range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K)]
+    moves = ([range(k, k + 1) for k in range(K)] + [range(k) for k in range(2, K + 1)]
              + [range(k, K) for k in range(1, K - 1)])
     pick = list(pick)
 
@@ -174,6 +175,15 @@ def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: fl
             break
         pick = found
     return pick
+
+
+def two_stage(costs: SpreadCosts, overlap: bool) -> list[int]:
+    """The best pick that gives every block before a cut one choice and every block after it another (a
+    two-stage pipeline, e.g. one node each): a start for `descend`, which moves one block or one end at a time
+    and so cannot reach it from data parallelism when each half alone is slower. K x C² picks."""
+    K, C = len(costs.compute), len(costs.spreads)
+    trials = [[a] * k + [b] * (K - k) for k in range(1, K) for a in range(C) for b in range(C) if a != b]
+    return min(trials or [[0] * K], key=lambda p: (costs.excess(p), costs.objective(p, overlap)))
 
 
 def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: MeasuredCosts | None = None
@@ -376,7 +386,6 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
     """The plans of the search under both models (module docstring), one shard a device: for each, the better
     of the local search's from data parallelism and the ILP's, where HiGHS finds one within its share of
     `budget_s`. FasttError where the step cannot be cut into one shard a device."""
-    deadline = time.perf_counter() + budget_s
     n = len(cluster.devices)
     if n < 2 or not replicable(graph, n):
         raise FasttError(f"spread search: batch {graph.batch} does not split into {n} shards")
@@ -387,9 +396,12 @@ def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | Non
     per_layer = spread_costs(graph, cluster, found, measured)
     groups = blocks(per_layer, [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers])
     costs = per_layer.merged(groups)
+    # the budget is the search's own: the capture at batch/n before it (seconds for bert) is not taken from it
+    deadline = time.perf_counter() + budget_s
     picks: list[list[int]] = []
     for overlap in (True, False):  # per model, the better of the descent's pick and the ILP's
-        found_here = [descend(costs, overlap, [0] * len(groups), deadline)]
+        found_here = [descend(costs, overlap, start, deadline)
+                      for start in ([0] * len(groups), two_stage(costs, overlap))]
         left = (deadline - time.perf_counter()) / (2 if overlap else 1)
         optimum = solve(costs, overlap, left) if left > 0.05 else None
         picks.append(min([*found_here, *([optimum] if optimum else [])],
