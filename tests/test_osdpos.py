@@ -52,6 +52,16 @@ def test_fastt_never_slower_than_its_seeds() -> None:
         assert ours <= fastt.simulate(g, theirs, cl).iteration_s, p
 
 
+def test_fastt_tries_the_expert_pipelines_cut_where_stages_outnumber_its_micro_batches() -> None:
+    """On one node of 8 a stage a device outnumbers the expert pipeline's 4 micro-batches a device: fastt
+    tries that cut beside its one shard a device (paper-size alexnet, where the pipeline is the fastest)."""
+    w = zoo.get("alexnet", "paper")
+    g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="alexnet")
+    cl = fastt.cluster("8xA100-pcie")
+    ours = fastt.simulate(g, fastt.plan(g, cl, "fastt"), cl).iteration_s
+    assert ours <= fastt.simulate(g, fastt.plan(g, cl, "pipeline"), cl).iteration_s
+
+
 def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
     """No budget: the starting plan, no split searched (here the search would keep one), in the time its seeds
     take (a fraction of a second; the bound is generous for a loaded machine)."""

@@ -46,11 +46,11 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
                 continue
             # The batch cut into one shard a device: op times were measured at the batch and at its share per
             # device (finer shards would be roofline guesses beside measured plans); the spread search's cuts
-            # are pipelines too. The expert's finer cut (GPipe's micro-batches) is a capture of its own
+            # are pipelines too. The expert's own cut (GPipe's micro-batches) is a capture of its own
             # (13 s for bert-large): on roofline costs, tried while the budget covers a capture as long as
-            # the last one.
+            # the last one. (Coarser where stages outnumber its micro-batches: 8 stages on one node.)
             candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
-            if (measured is None and _stages_per_group(cluster) < MICRO_BATCHES
+            if (measured is None and _stages_per_group(cluster) != MICRO_BATCHES
                     and time.perf_counter() + capture_s < deadline):
                 candidates.append(pipeline(graph, cluster, measured))
         except FasttError:
