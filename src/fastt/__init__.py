@@ -2,6 +2,7 @@
 
 import contextlib as _contextlib
 import os as _os
+import signal as _signal
 import sys as _sys
 
 
@@ -9,14 +10,26 @@ import sys as _sys
 def _start_up():
     """Loading fastt's modules (torch takes seconds). Ctrl-C meanwhile, in the `fastt` command (its script, or
     `python -m fastt.…`, whose argv[0] is "-m" while its packages load), ends it in one line with exit code
-    130, as it does later on; a program that imports fastt gets its KeyboardInterrupt as usual."""
+    130, as it does later on; a program that imports fastt gets its KeyboardInterrupt as usual. The command's
+    handler exits at once rather than raise: a KeyboardInterrupt raised while Python runs a finaliser during
+    torch's import is printed and dropped, and the command then ran to its end with exit code 0."""
+    if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) not in ("fastt", "-m"):
+        yield
+        return
+
+    def stop(signum, frame):
+        _sys.stderr.write("fastt: interrupted (SIGINT) while starting up; nothing was started\n")
+        _sys.stderr.flush()
+        _os._exit(130)  # nothing was started: no child, no file, nothing to clean up
+    try:
+        previous = _signal.signal(_signal.SIGINT, stop)
+    except ValueError:  # imported outside the main thread: no handler can be set there
+        yield
+        return
     try:
         yield
-    except KeyboardInterrupt:
-        if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) not in ("fastt", "-m"):
-            raise
-        print("fastt: interrupted (SIGINT) while starting up; nothing was started", file=_sys.stderr)
-        raise SystemExit(130) from None
+    finally:
+        _signal.signal(_signal.SIGINT, previous)
 
 
 with _start_up():
