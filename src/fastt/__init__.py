@@ -13,8 +13,9 @@ def _start_up():
     130, as it does later on; a program that imports fastt gets its KeyboardInterrupt as usual. The command's
     handler exits at once rather than raise: a KeyboardInterrupt raised while Python runs a finaliser during
     torch's import is printed and dropped, and the command then ran to its end with exit code 0."""
-    if _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) not in ("fastt", "-m"):
-        yield
+    command = _os.path.basename((getattr(_sys, "argv", None) or [""])[0]) in ("fastt", "-m")
+    if not command or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:
+        yield  # not the command, or SIGINT ignored or handled by whoever started it: left as it is
         return
 
     def stop(signum, frame):
