@@ -177,13 +177,19 @@ def descend(costs: SpreadCosts, overlap: bool, pick: Sequence[int], deadline: fl
     return pick
 
 
+TWO_STAGE_PICKS = 20_000  # about 0.5 s of objectives; 8 devices on 2 nodes take 33 x 11² = 4k
+
+
 def two_stage(costs: SpreadCosts, overlap: bool) -> list[int]:
     """The best pick that gives every block before a cut one choice and every block after it another (a
     two-stage pipeline, e.g. one node each): a start for `descend`, which moves one block or one end at a time
-    and so cannot reach it from data parallelism when each half alone is slower. K x C² picks."""
+    and so cannot reach it from data parallelism when each half alone is slower. K x C² picks, or, past
+    TWO_STAGE_PICKS (many devices), only the spreads over several devices (every device, a node's)."""
     K, C = len(costs.compute), len(costs.spreads)
-    trials = [[a] * k + [b] * (K - k) for k in range(1, K) for a in range(C) for b in range(C) if a != b]
-    return min(trials or [[0] * K], key=lambda p: (costs.excess(p), costs.objective(p, overlap)))
+    pool = (range(C) if K * C * C <= TWO_STAGE_PICKS
+            else [c for c in range(C) if len(costs.spreads[c].devices) > 1])
+    trials = ([a] * k + [b] * (K - k) for k in range(1, K) for a in pool for b in pool if a != b)
+    return min(trials, key=lambda p: (costs.excess(p), costs.objective(p, overlap)), default=[0] * K)
 
 
 def spread_costs(graph: OpGraph, cluster: Cluster, found: Layers, measured: MeasuredCosts | None = None
@@ -383,9 +389,10 @@ MAX_ROUTE_TABLE = 2**27
 
 def spread_plans(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None,
                  budget_s: float = 4.0) -> list[Strategy]:
-    """The plans of the search under both models (module docstring), one shard a device: for each, the better
-    of the local search's from data parallelism and the ILP's, where HiGHS finds one within its share of
-    `budget_s`. FasttError where the step cannot be cut into one shard a device."""
+    """The plans of the search under both models (module docstring), one shard a device: for each, the best
+    of the local search's from data parallelism and from the best two-stage pick, and the ILP's, where HiGHS
+    finds one within its share of `budget_s` (which starts after the costs are read). FasttError where the
+    step cannot be cut into one shard a device."""
     n = len(cluster.devices)
     if n < 2 or not replicable(graph, n):
         raise FasttError(f"spread search: batch {graph.batch} does not split into {n} shards")
