@@ -2,10 +2,10 @@
 capped (`fastt run --launcher torchrun --network RATE`), every plan trained for real beside its simulated time.
 
 For each rate (1gbit, 10gbit) and model: `fastt`, `dp`, the expert planners that apply (owt, table-wise,
-pipeline) and `eager` (plain PyTorch in one process), on 2 ranks; the links fitted on measured transfers
-through the cap. On 4 ranks, dlrm and vgg19 are checked against the eager step (--check, rtol 1e-5). megatron is
-not measured: its chained updates do not run on torchrun ranks yet. Written to out/network.json and docs/network.md
-(generated from the JSON by this script). Needs root, unshare and tc (iproute2); elsewhere it says so and stops.
+pipeline, megatron) and `eager` (plain PyTorch in one process), on 2 ranks; the links fitted on measured
+transfers through the cap. On 4 ranks, dlrm and vgg19 are checked against the eager step (--check, rtol 1e-5).
+Written to out/network.json and docs/network.md (generated from the JSON by this script). Needs root, unshare
+and tc (iproute2); elsewhere it says so and stops.
 
 Usage:
   .venv/bin/python benchmarks/network.py            # everything (about a quarter of an hour on 2 cores)
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RATES = ["1gbit", "10gbit"]
 # The experts that apply to each model; resnet50: convolutions with few parameters, where DP should stay best.
 MODELS = {"dlrm": ["owt", "table-wise"], "vgg19": ["owt", "pipeline"],
-          "bert-base": ["owt", "table-wise", "pipeline"], "resnet50": ["owt"]}
+          "bert-base": ["owt", "table-wise", "pipeline", "megatron"], "resnet50": ["owt"]}
 CHECKED = ["dlrm", "vgg19"]  # on 4 ranks, against the eager step
 
 
@@ -97,7 +97,7 @@ def render(data: dict) -> str:
            "links are fitted on transfers measured through the cap; `simulated` is the plan's simulated step on",
            "them. `eager` is plain PyTorch in one process (the one-process baseline). Times are medians of the",
            "steps after the first, in one run per row, on a machine of 2 cores shared with other work: compare",
-           "within a row. megatron is not measured: its chained updates do not run on torchrun ranks yet.",
+           "within a row.",
            "",
            "| ranks | rate | model | link (fitted) | planner | measured ms | simulated ms | error |",
            "|---|---|---|---|---|---|---|---|"]

@@ -54,14 +54,14 @@ def _plan(g: fastt.OpGraph, splits: tuple[Split, ...], replicas: int = 1) -> Str
     return with_chains(g, s) or s
 
 
-def _steps_as_eager(model, opt, step, ref: tuple, inputs: tuple, steps: int) -> None:
+def _steps_as_eager(model, opt, step, ref: tuple, inputs: tuple, steps: int, tol: float = 1e-5) -> None:
     """`steps` steps, each from the same state as the eager reference's (the summed parts add in another
-    order than eager's sums)."""
+    order than eager's sums), equal to `tol` (the loss also to min(tol, 1e-6) absolute)."""
     for _ in range(steps):
         take_state(model, opt, ref[0], ref[2])
-        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=1e-5,
-                                   atol=1e-6)
-        assert max_param_rel_diff(ref[0], model) <= 1e-5
+        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=tol,
+                                   atol=min(tol, 1e-6))
+        assert max_param_rel_diff(ref[0], model) <= tol
 
 
 def test_a_chain_reads_the_producers_parts_and_drops_the_join_nothing_else_reads(mlp) -> None:
@@ -230,13 +230,7 @@ def test_megatron_cuts_every_mlp_and_trains_as_eager(name: str) -> None:
     said = dict(where(g, s.holders, [0, 0], s.sharded, s.chained))
     assert sum("tensor-parallel" in d for d in said.values()) >= 2  # fastt plan's words for the blocks
     step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s)
-    ref = make(name)
-    tol = 1e-12 if name == "transformer" else 1e-5
-    for _ in range(3):
-        take_state(model, opt, ref[0], ref[2])
-        torch.testing.assert_close(step(*inputs), eager_step(ref[0], ref[1], ref[2], inputs), rtol=tol,
-                                   atol=tol)
-        assert max_param_rel_diff(ref[0], model) <= tol
+    _steps_as_eager(model, opt, step, make(name), inputs, 3, tol=1e-12 if name == "transformer" else 1e-5)
 
 
 def _workload(name: str) -> tuple:
@@ -245,11 +239,54 @@ def _workload(name: str) -> tuple:
     return w.model, w.loss_fn, w.optimizer, w.example_inputs
 
 
-def test_megatron_refuses_several_nodes_and_models_without_an_mlp() -> None:
+def test_megatron_on_several_nodes_is_data_parallel_across_them_and_trains_as_eager() -> None:
+    """On 2 nodes of 2 devices, megatron is data parallelism of the one-node plan: replica k on node k, each
+    tensor-parallel weight's gradient averaged part by part (part j of both replicas, on device j of each
+    node), each device holding its part of the weight and its state; training equals eager step by step on
+    cpu:4 (float64: the transformer's relu)."""
+    model, loss_fn, opt, inputs = _double("transformer")
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    s = get_planner("megatron")(g, fastt.cluster("2x2xV100"))
+    assert s.replicas == 2 and {sp.op.split("/")[0] for sp in s.splits} == {"r0", "r1"}
+    split_g = graph_for(g, s)
+    parts = [op for op in split_g.ops if op.kind == "allreduce" and op.name.endswith(("#0", "#1"))]
+    assert len(parts) >= 8
+    for op in parts:  # part j of each replica's gradient, made on device j of its node
+        j = int(op.name[-1])
+        assert [s.placement[split_g.ops[i].name] for i in op.inputs] == [j, 2 + j]
+        assert [split_g.ops[i].name.split("/")[0] for i in op.inputs] == ["r0", "r1"]
+    held = {split_g.ops[r].name for r in sharded_residents(split_g)}
+    assert "param:transformer.encoder.layers.0.linear1.weight" in held
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:4", strategy=s)
+    _steps_as_eager(model, opt, step, _double("transformer"), inputs, 3, tol=1e-12)
+
+
+@pytest.mark.parametrize("spec", ["cpu:2", "2x2xV100"])
+def test_megatron_cuts_sdpa_attention_by_heads_and_trains_as_eager(spec: str) -> None:
+    """On a model whose attention is SDPA (DistilBERT, as transformers builds it by default), megatron cuts
+    each attention by its heads as Megatron does: the query, key and value projections column-parallel,
+    SDPA and its backward split along the heads, the output projection row-parallel, and every one of those
+    weights held in parts with its state. The only joins left are the row-parallel layers' sums (Megatron's
+    allreduces). Training equals eager step by step, on one node of 2 and on 2 nodes of 2 (cpu:4)."""
+    model, loss_fn, opt, inputs = _workload("distilbert-padded")
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    s = get_planner("megatron")(g, fastt.cluster(spec))
+    split_g = graph_for(g, s)
+    assert sum("scaled_dot_product" in sp.op for sp in s.splits) == 4 * s.replicas  # 2 layers, fwd and bwd
+    attention = {n for n, _ in model.named_parameters() if re.search(r"attention\.(q|k|v|out)_lin\.weight$", n)}
+    held = {split_g.ops[r].name for r in sharded_residents(split_g)}
+    assert len(attention) == 8 and {f"param:{n}" for n in attention} <= held
+    joins = [op for op in split_g.ops if op.name.endswith("#join")]
+    assert joins and all(op.target == "join:sum" for op in joins)
+    step = parallelize(model, loss_fn, opt, inputs, f"cpu:{s.n_devices}", strategy=s)
+    _steps_as_eager(model, opt, step, _workload("distilbert-padded"), inputs, 3)
+
+
+def test_megatron_refuses_single_device_nodes_and_models_without_an_mlp() -> None:
     model, loss_fn, opt, inputs = _workload("transformer")
     g = fastt.capture(model, loss_fn, opt, inputs)
-    with pytest.raises(FasttError, match="across nodes .* not built; the cluster has 2 nodes"):
-        get_planner("megatron")(g, fastt.cluster("2x4xV100"))
+    with pytest.raises(FasttError, match="two devices or more on every node"):
+        get_planner("megatron")(g, fastt.cluster("4x1xV100@10Gbps"))
     model, loss_fn, opt, inputs = _workload("lenet")
     with pytest.raises(FasttError, match="no MLP to cut|no weight"):
         get_planner("megatron")(fastt.capture(model, loss_fn, opt, inputs), CL)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,9 @@ def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) 
     """Plans without split ops train as eager does over the whole trajectory. A split op sums its parts in
     another order than eager's kernel, and that rounding grows over a trajectory (to order 1 in batch-norm models;
     4e-4 after 20 steps of transformer, bit for bit the local runtime's): those plans are compared step by step
-    from the same state."""
+    from the same state, to 1e-4: fastt's plan for the mlp on 4 ranks is megatron's, whose 4-way row-parallel
+    sums flip relu masks within an ulp of zero (2.3e-5 after one step, as on the local runtime; 1.6e-16 with
+    the mlp in float64 there)."""
     batch = ("--batch", "48") if ranks == 3 else ()  # the zoo's test batches split in 2 and 4
     rc, _, err = run(ranks, "--model", model, *batch, "--planners", "dp,dpos,fastt", "--steps", str(STEPS), "--check",
                      "--check-steps", "--out", str(tmp_path / "out.json"))
@@ -85,7 +88,7 @@ def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) 
     assert trial is None or (trial["kept"] == "dp") == (trial["dp_s"] < trial["fastt_plan_s"])
     for planner, r in res.items():
         diff = r["max_step_rel_diff"] if r["splits"] else r["max_param_rel_diff"]
-        assert diff <= 1e-5, (planner, r["splits"], r)
+        assert diff <= (1e-4 if r["splits"] else 1e-5), (planner, r["splits"], r)
         assert r["measured_iteration_s"] > 0 and r["simulated_iteration_s"] > 0
 
 
@@ -266,18 +269,23 @@ def test_fastt_tunes_across_ranks_and_trains_as_eager(tmp_path: Path) -> None:
     assert "tune: done" in err and r["max_step_rel_diff"] <= 1e-5
 
 
-def test_two_nodes_on_loopback(tmp_path: Path) -> None:
-    """Two torchrun agents, one rank each, as two nodes: the cluster has a fitted link class between nodes."""
+def two_nodes(nproc: int, args: Sequence[str], tmp_path: Path) -> dict:
+    """Two torchrun agents of `nproc` ranks each as two nodes on loopback, running fastt.launch `args`: node
+    0's JSON."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ("--model", "mlp", "--planners", "dp,dpos", "--steps", "3", "--check")
-    nodes = [torchrun(1, *args, "--out", str(tmp_path / f"out{i}.json"), nodes=(i, 2), port=port)
+    nodes = [torchrun(nproc, *args, "--out", str(tmp_path / f"out{i}.json"), nodes=(i, 2), port=port)
              for i in range(2)]
     for p in nodes:
-        p.communicate(timeout=600)
-        assert p.returncode == 0
-    out = json.loads((tmp_path / "out0.json").read_text())
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+    return json.loads((tmp_path / "out0.json").read_text())
+
+
+def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+    """Two torchrun agents, one rank each, as two nodes: the cluster has a fitted link class between nodes."""
+    out = two_nodes(1, ("--model", "mlp", "--planners", "dp,dpos", "--steps", "3", "--check"), tmp_path)
     assert out["nodes"] == 2 and "gloo-inter" in out["links"] and out["max_param_rel_diff"] <= 1e-5
 
 
@@ -310,6 +318,28 @@ def test_split_chains_across_ranks(tmp_path: Path) -> None:
                      "--steps", "3", "--check-steps", "--out", str(tmp_path / "out.json"))
     assert rc == 0, err[-3000:]
     assert results(tmp_path / "out.json")["fastt"]["max_step_rel_diff"] <= 1e-5
+
+
+def test_megatron_over_gloo_trains_as_eager(tmp_path: Path) -> None:
+    """megatron's plan on 2 ranks of one node: each rank updates its part of every tensor-parallel weight and
+    its state (chained updates), and the parts go to the ranks that read the weight next step and to rank 0,
+    whose model is the truth. Training equals eager step by step."""
+    rc, _, err = run(2, "--model", "bert-base", "--planners", "megatron", "--steps", "3", "--check-steps",
+                     "--out", str(tmp_path / "out.json"))
+    assert rc == 0, err[-3000:]
+    r = results(tmp_path / "out.json")["megatron"]
+    assert r["splits"] > 0 and r["max_step_rel_diff"] <= 1e-5, r
+
+
+@pytest.mark.slow
+def test_megatron_on_two_nodes_over_gloo_trains_as_eager(tmp_path: Path) -> None:
+    """Two torchrun agents of 2 ranks each as two nodes: megatron is tensor parallelism inside each node and
+    data parallelism across them, each chained update's gradient part averaged between the nodes' ranks that
+    hold it. Training equals eager step by step."""
+    out = two_nodes(2, ("--model", "bert-base", "--planners", "megatron", "--steps", "2", "--check-steps"),
+                    tmp_path)
+    r = {r["planner"]: r for r in out["results"]}["megatron"]
+    assert r["replicas"] == 2 and r["splits"] > 0 and r["max_step_rel_diff"] <= 1e-5, r
 
 
 @pytest.mark.slow

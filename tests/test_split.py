@@ -99,6 +99,24 @@ _MAXPOOL, _MAXPOOL_BWD, _AVGPOOL, _AVGPOOL_BWD = _pool()
 _NLL_SUM, _NLL_SUM_BWD = _nll(2, weighted=True)
 _NLL_MEAN, _NLL_MEAN_BWD = _nll(1, weighted=False)
 
+_SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _sdpa(causal: bool, mask: bool) -> tuple[Case, Case]:
+    """SDPA on [batch, 5 heads, 6 positions, head dim 4] and its backward, with a mask the same for every
+    head (size 1 along the heads) or none."""
+    def qkv() -> tuple[list[Any], dict[str, Any]]:
+        kw = {"attn_mask": r(N, 1, 6, 6), "scale": 0.3} if mask else {}
+        return [r(N, 5, 6, 4), r(N, 5, 6, 4), r(N, 5, 6, 4), 0.0, causal], kw
+
+    def bwd() -> tuple[list[Any], dict[str, Any]]:
+        (q, k, v, p, c), kw = qkv()
+        out, lse = _SDPA(q, k, v, p, c, **kw)
+        return [r(N, 5, 6, 4), q, k, v, out, lse, p, c], kw
+    return qkv, bwd
+
+
 CASES: list[tuple[Any, Case]] = [
     (aten.convolution.default, lambda: ([r(N, 3, 8, 8), r(C, 3, 3, 3), r(C), [1, 1], [1, 1], [1, 1], False,
                                          [0, 0], 1], {})),
@@ -165,6 +183,8 @@ CASES: list[tuple[Any, Case]] = [
     (aten.nll_loss_forward.default, _NLL_SUM),
     (aten.nll_loss_backward.default, _NLL_SUM_BWD),
     (aten.nll_loss_backward.default, _NLL_MEAN_BWD),
+    *[(op, case) for causal, mask in ((False, False), (True, False), (False, True))
+      for op, case in zip((_SDPA, _SDPA_BWD), _sdpa(causal, mask))],
 ]
 
 
@@ -224,6 +244,11 @@ def test_inexact_splits_are_refused() -> None:
         run_split(aten.mm.default, [r(N, K), r(K, C)], {}, "rows", N + 1)
     assert split_size(aten.embedding_dense_backward.default, "batch",
                       [r(N, 4), torch.randint(0, 11, (N,)), 11, -1, True], {}) == 0  # counts over the batch
+    q = r(N, 4, 6, 4)
+    assert split_size(_SDPA, "heads", [q, q, q], {}) == 4
+    assert split_size(_SDPA, "heads", [q, q, q, 0.1], {}) == 0  # dropout draws per element
+    assert split_size(_SDPA, "heads", [q, q, q], {"attn_mask": r(N, 4, 6, 6)}) == 0  # a mask per head
+    assert split_size(_SDPA, "heads", [q, r(N, 2, 6, 4), r(N, 2, 6, 4)], {}) == 0  # grouped-query heads
 
 
 # ---- the pass on captured graphs -------------------------------------------------------------------------------

@@ -184,6 +184,14 @@ def test_pack_and_unpack_keep_values_and_captured_strides() -> None:
             assert y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
+def test_an_expanded_tensor_arrives_with_its_values_contiguous() -> None:
+    """A tensor captured expanded (stride 0: an attention mask broadcast over the heads) has no layout a copy
+    can write: it travels as its elements and arrives contiguous, its values and shape the sender's."""
+    x = torch.randn(3, 1, 5).expand(3, 4, 5)
+    y, z = unpack(pack([(x, Leaf.of(x)), (x[0], Leaf.of(x[0]))]), [Leaf.of(x), Leaf.of(x[0])])
+    assert torch.equal(y, x) and y.is_contiguous() and torch.equal(z, x[0])
+
+
 def _gradients(data, kinds: list, most: int, n: int, replicas: int) -> tuple:
     """Up to `most` gradients of `kinds` ((shape, transposed, dtype)), `replicas` of each, on n ranks drawn from
     0-5, each replica's on one of them at random: (ranks, grads[j][k], leaves, names, sources)."""

@@ -33,6 +33,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         msg = (str(e) if isinstance(e, RankError)
                else record_failure(f"rank {rank}: {type(e).__name__}: {e}", lost))
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
+        if os.environ.get("FASTT_DEBUG") == "1":  # as the fastt command: the traceback too
+            traceback.print_exc()
         if rank == 0:
             await_reports()
         os._exit(1)

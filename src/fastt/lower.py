@@ -20,7 +20,7 @@ from .errors import FasttError
 from .graph import ALLREDUCE, COMPUTE, INPUT, PARAM, RESIDENT, UPDATE, OpGraph, loss_weights, replica_of
 from .loss import ONE, ReplicaWeights
 from .shard import ALL_GATHER, CUTS
-from .split import alias_path, graph_for, rule
+from .split import alias_path, graph_for, out_cut, rule
 from .strategy import Strategy
 
 RUN, PART, JOIN, SHARD = "run", "part", "join", "shard"
@@ -115,10 +115,13 @@ def part_reads(t: Task, node: fx.Node) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _allreduce_nodes(g: OpGraph, a: int, nodes: dict) -> tuple[str, ...]:
+def _allreduce_nodes(g: OpGraph, a: int, nodes: dict, renamed: dict[int, dict[str, str]]) -> tuple[str, ...]:
     """The gradient nodes allreduce `a` carries: what its readers read from its inputs' producers (a split
-    gradient's join makes its head node's value, which the join op does not list among its nodes)."""
+    gradient's join makes its head node's value, which the join op does not list among its nodes); of the
+    allreduce of every replica's part of a split gradient, the part's values its chained updates read."""
     made = g.ops[g.ops[a].inputs[0]]
+    if made.split:
+        return tuple(dict.fromkeys(name for s in g.succs[a] for name in renamed.get(s, {}).values()))
     produced = set(made.nodes) | ({g.ops[made.inputs[0]].head} if made.target.startswith("join:") else set())
     read = []
     for s in g.succs[a]:
@@ -144,15 +147,18 @@ def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> tuple[dict[int, dic
             reads = [(x, j) for n in op.nodes for x in nodes[n].all_input_nodes if x.name not in op.nodes
                      for j in range(len(op.inputs))]
         for a, j in reads:
-            p = g.ops[op.inputs[j]]
+            src = op.inputs[j]
+            if op.kind == UPDATE and g.ops[src].kind == ALLREDUCE:  # its replica's part, as the allreduce
+                src = g.ops[src].inputs[replica_of(op.name)]  # of every replica's parts carries it
+            p = g.ops[src]
             if not p.split or p.kind != COMPUTE:
                 continue
-            head = nodes[p.head]
-            path = alias_path(head, a, rule(p.target, p.split[0]).outs[0][1] % head.meta["val"].dim())
+            d = out_cut(rule(p.target, p.split[0]), nodes[p.head].meta.get("val"))
+            path = alias_path(nodes[p.head], a, d, p.split[2]) if d is not None else None
             if path is None:
                 continue
             for v, dv in path:
-                views.setdefault(op.inputs[j], {})[v.name] = dv
+                views.setdefault(src, {})[v.name] = dv
             if op.kind != COMPUTE:
                 renamed.setdefault(i, {})[a.name] = f"{a.name}#{p.split[1]}"
     return views, renamed
@@ -171,7 +177,7 @@ def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     programs = tuple(tuple(_task(g, g.index[name], call_nodes, nodes, views, renamed) for name in order
                            if g.ops[g.index[name]].kind != INPUT) for order in strategy.order)
     # A sharded update's all-gather is read by no op of the step: the runtime joins the rows at its end.
-    allreduces = {a: _allreduce_nodes(g, a, nodes) for a, op in enumerate(g.ops)
+    allreduces = {a: _allreduce_nodes(g, a, nodes, renamed) for a, op in enumerate(g.ops)
                   if op.kind == ALLREDUCE and op.target != ALL_GATHER}
     constants = [name for name, n in nodes.items() if n.op == "get_attr"]
     prelude = tuple(dict.fromkeys([*constants, *(n for op in g.ops if op.kind in RESIDENT or op.kind == INPUT

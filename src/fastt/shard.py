@@ -182,9 +182,10 @@ def held(g: OpGraph, holders: Mapping[int, Sequence[int]], device_of: Sequence[i
 
 
 def chained_part(g: OpGraph, op: Op) -> bool:
-    """Whether update part `op` reads its gradient's part (a tensor-parallel weight's, `split.chain_update`)
-    rather than a reduce-scatter's rows (ZeRO's)."""
-    return any(g.ops[j].split and g.ops[j].kind != UPDATE for j in op.inputs)
+    """Whether update part `op` reads its gradient's part (a tensor-parallel weight's, `split.chain_update`),
+    or the allreduce of every replica's part, rather than a reduce-scatter's rows (ZeRO's)."""
+    return any(x.split and x.kind != UPDATE or x.kind == ALLREDUCE and g.ops[x.inputs[0]].split
+               for x in (g.ops[j] for j in op.inputs))
 
 
 def sharded_residents(g: OpGraph) -> dict[int, int]:

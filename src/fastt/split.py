@@ -16,6 +16,7 @@ Random ops (dropout's `bernoulli`) are left out: parts would draw different numb
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
@@ -26,12 +27,14 @@ from torch.fx import Node
 from .coarsen import ALIAS
 from .errors import FasttError
 from .graph import (
+    ALLREDUCE,
     COMPUTE,
     UPDATE,
     Op,
     OpGraph,
     data_parallel_graph,
     renumbered,
+    replica_of,
     without,
     without_unplaced_updates,
 )
@@ -154,6 +157,15 @@ def _matmul(bias: bool, batched: bool) -> dict[str, SplitSpec]:
     return rules
 
 
+def _heads_ok(dropout_arg: int) -> Valid:
+    """SDPA along its heads: exact without dropout (parts would draw other numbers) and with a mask that is
+    the same for every head (size 1 along the heads dim, or no heads dim): every part reads it whole."""
+    def ok(a: Sequence[Any], kw: dict[str, Any]) -> bool:
+        mask = kw.get("attn_mask")
+        return _arg(a, dropout_arg, 0.0) == 0.0 and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
+    return ok
+
+
 _BN = (0, 1, 2, 3, 4)  # native_batch_norm: input, weight, bias, running_mean, running_var
 _BATCH_NORM = {
     # Channels normalise independently: slice the activations along dim 1 and per-channel tensors along dim 0.
@@ -185,6 +197,13 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
         aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default,
         aten.silu_backward.default,
         aten.sigmoid_backward.default, aten.tanh_backward.default)},
+    # Attention head by head ([B, heads, T, head dim]): query, key, value (and the backward's output, its
+    # gradient and the logsumexp) sliced along the heads; equal heads only (split_size: grouped-query
+    # attention's fewer key/value heads do not slice alike).
+    aten._scaled_dot_product_flash_attention_for_cpu.default: {
+        "heads": SplitSpec(args=(1, 1, 1), outs=(("cat", 1), ("cat", 1)), valid=_heads_ok(3))},
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: {
+        "heads": SplitSpec(args=(1, 1, 1, 1, 1, 1), outs=(("cat", 1),) * 3, valid=_heads_ok(6))},
     aten._softmax.default: _rowwise((0,), 1),
     aten._log_softmax.default: _rowwise((0,), 1),
     aten._safe_softmax.default: _rowwise((0,), 1),
@@ -301,8 +320,10 @@ def _call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return (_BY_NAME[target] if isinstance(target, str) else target)(*args, **kwargs)
 
 
-def join(spec: SplitSpec, outs: Sequence[Any]) -> Any:
-    """The whole op's result from its parts' results: each output concatenated or summed as `spec` says."""
+def join(spec: SplitSpec, outs: Sequence[Any], like: Any = None) -> Any:
+    """The whole op's result from its parts' results: each output concatenated or summed as `spec` says, and
+    laid out as `like` (the captured result) where it gives strides: the views after the op read it as the
+    op's kernel made it (SDPA's output is a transpose of its [B, T, heads, head dim] storage)."""
     single = not isinstance(outs[0], (tuple, list))
     columns = [[o] for o in outs] if single else [list(o) for o in outs]
     joined = []
@@ -317,7 +338,22 @@ def join(spec: SplitSpec, outs: Sequence[Any]) -> Any:
             for x in xs[1:]:
                 total = total + x
             joined.append(total)
+    likes = [like] if single else list(like) if isinstance(like, (tuple, list)) else []
+    for i, (x, v) in enumerate(zip(joined, likes)):
+        if isinstance(x, torch.Tensor) and isinstance(v, torch.Tensor) and x.stride() != v.stride():
+            joined[i] = torch.empty_strided(x.shape, v.stride(), dtype=x.dtype, device=x.device).copy_(x)
     return joined[0] if single else tuple(joined)
+
+
+def out_cut(spec: SplitSpec, val: Any) -> int | None:
+    """The dim every result of an op split by `spec` is concatenated along, given its captured result `val`
+    (one tensor, or a tuple: SDPA's output and logsumexp); None where one is summed or they differ."""
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    if not vals or len(spec.outs) < len(vals) or not all(isinstance(v, torch.Tensor) and v.dim()
+                                                         for v in vals):
+        return None
+    dims = {how[1] % v.dim() if how[0] == "cat" else None for how, v in zip(spec.outs, vals)}
+    return dims.pop() if len(dims) == 1 and None not in dims else None
 
 
 # ---- the graph pass
@@ -509,13 +545,17 @@ def _step_outputs(graph: OpGraph) -> set[str]:
     return {a.name for a in [out[0], *out[1 + n:]] if isinstance(a, Node)}
 
 
-_SAME = {aten.detach.default, aten.alias.default}
+# getitem: a result of a tuple op whose results are all cut along one dim (`out_cut`)
+_SAME = {aten.detach.default, aten.alias.default, operator.getitem}
 _RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
-def view_dim(node: Node, d: int) -> int | None:
+def view_dim(node: Node, d: int, parts: int = 0) -> int | None:
     """The dim of view node `node`'s result that is dim `d` of its input, element for element, or None where
-    the view mixes it with others (so a slice of the input along d is a slice of the result along it)."""
+    the view mixes it with others (so a slice of the input along d is a slice of the result along it). With
+    `parts`, a reshape that splits dim d into several (the heads out of an attention's features) or merges
+    it with the dims after it (the heads back into the features) keeps a cut into `parts` even parts too:
+    part k of d is then the same elements as part k of the result's outermost dim of the group."""
     src, out = node.args[0].meta["val"], node.meta["val"]
     t = node.target
     if t in _SAME:
@@ -531,23 +571,34 @@ def view_dim(node: Node, d: int) -> int | None:
         return d + 1 if node.args[1] % out.dim() <= d else d
     if t in _RESHAPE:  # row-major: dim d keeps its length and everything after it keeps its size
         inner = math.prod(src.shape[d + 1:])
-        return next((e for e in range(out.dim()) if out.shape[e] == src.shape[d]
+        same = next((e for e in range(out.dim()) if out.shape[e] == src.shape[d]
                      and math.prod(out.shape[e + 1:]) == inner), None)
+        if same is not None or parts < 2 or src.shape[d] % parts:
+            return same
+        # dims d.. of the input and e.. of the result hold the same elements in the same order, and the
+        # parts cut both outermost dims evenly: the same flat ranges
+        block = src.shape[d] * inner
+        return next((e for e in range(out.dim()) if math.prod(out.shape[e:]) == block
+                     and out.shape[e] % parts == 0 and math.prod(out.shape[:e]) == math.prod(src.shape[:d])),
+                    None)
     return None
 
 
-def view_part(node: Node, x: torch.Tensor, d: int) -> torch.Tensor:
-    """View node `node` applied to `x`, a part of its input cut along dim d (`view_dim` says it may be)."""
+def view_part(node: Node, x: torch.Tensor, d: int, parts: int = 0) -> torch.Tensor:
+    """View node `node` applied to `x`, part k of `parts` of its input cut along dim d (`view_dim` says it
+    may be)."""
     if node.target in _RESHAPE:
         shape = list(node.meta["val"].shape)
-        shape[view_dim(node, d)] = x.shape[d]
+        e = view_dim(node, d, parts)
+        shape[e] = shape[e] * x.shape[d] // node.args[0].meta["val"].shape[d]
         return node.target(x, shape)
     return node.target(x, *node.args[1:], **node.kwargs)
 
 
-def alias_path(head: Node, node: Node, d: int) -> list[tuple[Node, int]] | None:
-    """The view nodes from `head` (cut along dim d) to `node`, each with the dim its input is cut along; None
-    where `node` is not a view of `head` that keeps the cut (`view_dim`). The last dim: `cut_after`."""
+def alias_path(head: Node, node: Node, d: int, parts: int = 0) -> list[tuple[Node, int]] | None:
+    """The view nodes from `head` (cut along dim d into `parts`) to `node`, each with the dim its input is
+    cut along; None where `node` is not a view of `head` that keeps the cut (`view_dim`). The last dim:
+    `cut_after`."""
     path = []
     n = node
     while n is not head:
@@ -558,15 +609,20 @@ def alias_path(head: Node, node: Node, d: int) -> list[tuple[Node, int]] | None:
     out = []
     for v in reversed(path):
         out.append((v, d))
-        d = view_dim(v, d)
+        d = view_dim(v, d, parts)
         if d is None:
             return None
     return out
 
 
-def cut_after(path: list[tuple[Node, int]], d: int) -> int:
+def cut_after(path: list[tuple[Node, int]], d: int, parts: int = 0) -> int:
     """The dim the last view of `path` leaves cut (d, the head's, where the path is empty)."""
-    return view_dim(*path[-1]) if path else d
+    return view_dim(*path[-1], parts) if path else d
+
+
+def _made_by(a: object, head: Node, join_op: Op) -> bool:
+    """Whether arg `a` is the result of a split op (its head node, or a node of its join's group)."""
+    return isinstance(a, Node) and (a is head or a.name in join_op.nodes)
 
 
 def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
@@ -592,19 +648,16 @@ def chain_links(graph: OpGraph, op: str) -> dict[int, list[int]]:
             continue
         p = graph.ops[join_op.inputs[0]]
         pnode = _fx_node(graph, p.head)
-        if pnode is None or not isinstance(pnode.meta.get("val"), torch.Tensor):
-            continue
-        how = rule(p.target, p.split[0]).outs[0]
+        d = out_cut(rule(p.target, p.split[0]), pnode.meta.get("val")) if pnode is not None else None
         positions = [pos for pos, jj in enumerate(c.arg_inputs) if jj == j]
-        if how[0] != "cat" or not positions or any(isinstance(x, Node) for x in cnode.kwargs.values()):
-            continue
-        d = how[1] % pnode.meta["val"].dim()
+        if d is None or not positions or any(_made_by(x, pnode, join_op) for x in cnode.kwargs.values()):
+            continue  # (a keyword arg read whole, SDPA's mask, is passed on whole)
         ok = True
         for pos in positions:
             a = cnode.args[pos] if pos < len(cnode.args) else None
-            mine_too = isinstance(a, Node) and (a is pnode or a.name in join_op.nodes)
-            path = alias_path(pnode, a, d) if mine_too else None
-            ok = ok and path is not None and cdims[pos] is not None and cdims[pos] == cut_after(path, d)
+            path = alias_path(pnode, a, d, len(mine)) if _made_by(a, pnode, join_op) else None
+            ok = ok and path is not None and cdims[pos] is not None and cdims[pos] == cut_after(path, d,
+                                                                                                len(mine))
         if ok:
             out[j] = list(join_op.inputs)
     return out
@@ -625,26 +678,52 @@ def update_link(graph: OpGraph, name: str) -> tuple[int, list[int], str, int] | 
     if shape is None:
         return None
     for j, src in enumerate(u.inputs):
-        join_op = graph.ops[src]
-        if not join_op.target.startswith("join:"):
+        join_op = _own_join(graph, src, replica_of(name))
+        if join_op is None:
             continue
         p = graph.ops[join_op.inputs[0]]
         pnode = _fx_node(graph, p.head)
-        how = rule(p.target, p.split[0]).outs[0]
-        if pnode is None or how[0] != "cat" or not isinstance(pnode.meta.get("val"), torch.Tensor):
+        d = out_cut(rule(p.target, p.split[0]), pnode.meta.get("val")) if pnode is not None else None
+        if d is None:
             continue
-        d = how[1] % pnode.meta["val"].dim()
-        read = {a for n in u.nodes for a in _fx_node(graph, n).all_input_nodes
-                if a is pnode or a.name in join_op.nodes}
+        read = {a for n in u.nodes for a in _fx_node(graph, n).all_input_nodes if _made_by(a, pnode, join_op)}
         if len(read) != 1:
             continue
         a = read.pop()
-        path = alias_path(pnode, a, d)
-        cut = cut_after(path, d) if path is not None else None
+        parts = len(join_op.inputs)
+        path = alias_path(pnode, a, d, parts)
+        cut = cut_after(path, d, parts) if path is not None else None
         if cut in CUTS.values() and a.meta["val"].shape == shape \
                 and not shardable(graph, i, len(join_op.inputs), cut):
             return j, list(join_op.inputs), a.name, cut
     return None
+
+
+def _own_join(graph: OpGraph, src: int, replica: int) -> Op | None:
+    """The join of a split gradient op that an update reads at input `src`: the op itself, or, where the
+    update reads the allreduce of every replica's join (data parallelism around tensor parallelism), its
+    own replica's join, if every replica's is a join of as many parts (`_split_allreduce` can cut it)."""
+    op = graph.ops[src]
+    if op.kind == ALLREDUCE and op.target == "allreduce":  # not a reduce-scatter
+        joins = [graph.ops[j] for j in op.inputs]
+        if not all(x.target.startswith("join:") and len(x.inputs) == len(joins[0].inputs) for x in joins):
+            return None
+        op = joins[replica]
+    return op if op.target.startswith("join:") else None
+
+
+def _split_allreduce(graph: OpGraph, a: Op, new: list[int]) -> list[Op]:
+    """Allreduce `a` of every replica's join of a split gradient op cut into one allreduce a part, `a.name#k`
+    averaging part k of every replica's gradient (Megatron's data-parallel group of tensor-parallel rank k);
+    producers read through `new` (old -> new index)."""
+    parts = [graph.ops[j].inputs for j in graph.ops[graph.index[a.name]].inputs]
+    out = []
+    for k in range(len(parts[0])):
+        nbytes = graph.ops[parts[0][k]].out_bytes
+        out.append(replace(a, name=f"{a.name}#{k}", inputs=tuple(new[p[k]] for p in parts),
+                           in_bytes=(nbytes,) * len(parts), out_bytes=nbytes, io_bytes=2 * nbytes,
+                           in_parts=()))
+    return out
 
 
 def chain_update(graph: OpGraph, name: str) -> OpGraph:
@@ -665,7 +744,7 @@ def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
     """`chain` of every split op and `chain_update` of every update in `names`, in one O(ops) pass."""
     if not names:
         return graph
-    ops, joins, updates = list(graph.ops), set(), {}
+    ops, joins, updates, reduced = list(graph.ops), set(), {}, set()
     for name in names:
         i = graph.index.get(name)
         if i is not None and graph.ops[i].kind == UPDATE:
@@ -675,7 +754,12 @@ def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
                                  "is not a split op's result cut along the parameter's dim 0 or 1, or the "
                                  "update is not elementwise over the parameter")
             updates[i] = link
-            joins.add(graph.ops[i].inputs[link[0]])
+            src = graph.ops[i].inputs[link[0]]
+            if graph.ops[src].kind == ALLREDUCE:
+                reduced.add(src)
+                joins.update(graph.ops[src].inputs)
+            else:
+                joins.add(src)
             continue
         links = chain_links(graph, name)
         if not links:
@@ -691,22 +775,35 @@ def chain_all(graph: OpGraph, names: Sequence[str]) -> OpGraph:
                 if in_parts:
                     in_parts[j] = ()
             ops[i] = replace(o, inputs=tuple(ins), in_bytes=tuple(in_b), in_parts=tuple(in_parts))
+    for a in reduced:  # every replica's copy of the update must chain: they all read the parts' allreduces
+        if missing := [graph.ops[s].name for s in graph.succs[a] if s not in updates]:
+            raise FasttError(f"update '{missing[0]}' reads the allreduce '{graph.ops[a].name}' that other "
+                             "replicas' updates chain: chain every replica's copy of the update")
     if updates:
-        ops, new = renumbered(ops, lambda i, o, at, new: _update_parts(graph, o, updates[i], new)
-                              if i in updates else None)
+        made: dict[int, list[int]] = {}  # a cut allreduce -> its parts' new indices
+
+        def expand(i: int, o: Op, at: int, new: list[int]) -> list[Op] | None:
+            if i in reduced:
+                made[i] = list(range(at, at + len(graph.ops[graph.ops[i].inputs[0]].inputs)))
+                return _split_allreduce(graph, o, new)
+            return _update_parts(graph, o, updates[i], new, made.get(graph.ops[i].inputs[updates[i][0]]))\
+                if i in updates else None
+        ops, new = renumbered(ops, expand)
         joins = {new[j] for j in joins}
     return _without_unread(replace(graph, ops=tuple(ops)), joins)
 
 
-def _update_parts(graph: OpGraph, u: Op, link: tuple[int, list[int], str, int], new: list[int]) -> list[Op]:
-    """Update `u`'s parts (`chain_update`), its producers' indices read through `new` (old -> new index)."""
+def _update_parts(graph: OpGraph, u: Op, link: tuple[int, list[int], str, int], new: list[int],
+                  reduced: list[int] | None = None) -> list[Op]:
+    """Update `u`'s parts (`chain_update`), its producers' indices read through `new` (old -> new index); part
+    k reads `reduced[k]` instead where its gradient's allreduce was cut into parts (`_split_allreduce`)."""
     j, producers, _, d = link
     share = shares(shape_of(graph, param_of(graph, graph.ops[graph.index[u.name]]))[d], len(producers))
     cut = {new[r] for r in rows_of(graph, graph.ops[graph.index[u.name]])}
     parts = []
     for k, src in enumerate(producers):
         ins, in_b = list(u.inputs), list(u.in_bytes)
-        ins[j], in_b[j] = new[src], graph.ops[src].out_bytes
+        ins[j], in_b[j] = reduced[k] if reduced else new[src], graph.ops[src].out_bytes
         parts.append(update_part(replace(u, inputs=tuple(ins), in_bytes=tuple(in_b)),
                                  (next(c for c, x in CUTS.items() if x == d), k, len(producers)), share[k],
                                  cut, name=f"{u.name}#{k}"))

@@ -16,10 +16,18 @@ weight) is then cut too, and the propagation reruns, which splits its backward r
 producers' parts (`split.chain`), and each cut weight's update is split along its cut (`split.chain_update`).
 Part k runs on device k; DPOS places the rest (attention, norms, embeddings) and list scheduling orders it.
 
-Not built: data parallelism across nodes around the tensor-parallel blocks (each part's gradient allreduced
-among its data-parallel peers), and the attention's heads (the captured attention merges batch and heads into
-one dim before its matmuls, which no contiguous cut of the heads survives). The planner refuses a cluster of
-several nodes and a model with no MLP it can cut.
+On several nodes (as many devices on each) it is Megatron's data parallelism across them: the step is
+replicated once a node (`replicate` at batch/nodes), replica k runs the one-node plan on node k's devices,
+and each tensor-parallel weight's gradient allreduce is cut into one allreduce a part (`split.chain_all`):
+part j of every replica's gradient, averaged among device j of each node (Megatron's data-parallel group of
+tensor-parallel rank j), so each device holds and updates only its part of the weight, on every node.
+
+Attention computed by SDPA is cut by its heads, as Megatron cuts it: the query, key and value projections'
+weights are seeds too (`head_seeds`), SDPA and its backward split along the heads, and the reshapes between
+features and heads keep a cut into even parts (`split.view_dim`). Not built: an eager attention's heads
+(batch and heads are merged into one dim before its matmuls, which no contiguous cut of the heads
+survives), grouped-query heads and a rotary embedding's `cat`. The planner refuses nodes of one device, or
+of different sizes, and a model with no MLP or attention it can cut.
 """
 
 from __future__ import annotations
@@ -29,14 +37,16 @@ from dataclasses import replace
 from torch.fx import Node
 
 from ..cluster import Cluster
+from ..coarsen import ALIAS
 from ..cost import MeasuredCosts
 from ..errors import FasttError
-from ..graph import COMPUTE, PARAM, UPDATE, OpGraph
+from ..graph import COMPUTE, PARAM, UPDATE, OpGraph, data_parallel_graph, rebatch
 from ..shard import fx_nodes
 from ..split import (
     chain_links,
     fake_args,
     graph_for,
+    out_cut,
     rule,
     slice_dims,
     split_size,
@@ -50,6 +60,7 @@ from .dpos import schedule
 from .mixed import node_devices, ordered
 
 MATMULS = ("aten.addmm.default", "aten.mm.default")
+ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu.default",)  # SDPA as captured on a CPU
 
 
 def _nodes(graph: OpGraph) -> dict[str, Node]:
@@ -59,13 +70,14 @@ def _nodes(graph: OpGraph) -> dict[str, Node]:
     return nodes
 
 
-def _cut_views(nodes: dict[str, Node], op_nodes: tuple[str, ...], cut: dict[str, int]) -> None:
-    """Cut each view in `op_nodes` (an op's group) whose input is cut and which keeps the cut."""
+def _cut_views(nodes: dict[str, Node], op_nodes: tuple[str, ...], cut: dict[str, int],
+               parts: int = 0) -> None:
+    """Cut each view in `op_nodes` (an op's group) whose input is cut and which keeps the cut into `parts`."""
     for name in op_nodes:
         n = nodes[name]
         src = n.args[0] if n.args and isinstance(n.args[0], Node) else None
         if name not in cut and src is not None and src.name in cut and n.op == "call_function":
-            d = view_dim(n, cut[src.name]) if hasattr(n.meta.get("val"), "shape") else None
+            d = view_dim(n, cut[src.name], parts) if hasattr(n.meta.get("val"), "shape") else None
             if d is not None:
                 cut[name] = d
 
@@ -78,7 +90,7 @@ def _propagate(graph: OpGraph, seeds: dict[str, int], parts: int) -> tuple[list[
     for name, d in seeds.items():
         op = graph.ops[graph.index[name]]
         cut[op.nodes[0]] = d
-        _cut_views(nodes, op.nodes[1:], cut)
+        _cut_views(nodes, op.nodes[1:], cut, parts)
     splits = []
     for op in graph.ops:
         if op.kind != COMPUTE or not op.head:
@@ -98,10 +110,10 @@ def _propagate(graph: OpGraph, seeds: dict[str, int], parts: int) -> tuple[list[
         else:
             continue  # it reads the parts joined
         splits.append(Split(op.name, dim, parts))
-        how = spec.outs[0]
-        if how[0] == "cat" and hasattr(head.meta.get("val"), "dim"):
-            cut[op.head] = how[1] % head.meta["val"].dim()
-            _cut_views(nodes, op.nodes[1:], cut)
+        d = out_cut(spec, head.meta.get("val"))
+        if d is not None:
+            cut[op.head] = d
+            _cut_views(nodes, op.nodes[1:], cut, parts)
     return splits, cut
 
 
@@ -162,14 +174,43 @@ def column_seeds(graph: OpGraph) -> dict[str, int]:
     return out
 
 
+def _behind_views(n: Node) -> Node:
+    """The node a chain of views of it ends at (`n` itself if it is no view)."""
+    while n.target in ALIAS and n.args and isinstance(n.args[0], Node):
+        n = n.args[0]
+    return n
+
+
+def head_seeds(graph: OpGraph) -> dict[str, int]:
+    """The attention's query, key and value projections' weights: a 2-d parameter that a matmul reads as its
+    right operand, whose result (through the views that cut it into heads) is an SDPA's query, key or value
+    -> its dim of output features (Megatron's column-parallel attention: a device's heads)."""
+    nodes = _nodes(graph)
+    params = {graph.ops[i].nodes[0]: graph.ops[i] for i in graph.of_kind(PARAM)}
+    out = {}
+    for n in nodes.values():
+        if str(n.target) not in ATTENTION:
+            continue
+        for a in n.args[:3]:
+            mm = _behind_views(a) if isinstance(a, Node) else None
+            if mm is None or str(mm.target) not in MATMULS or not isinstance(mm.args[-1], Node):
+                continue
+            param = params.get(_behind_views(mm.args[-1]).name)
+            d = _param_dim(nodes, param, mm.args[-1], 1) if param is not None else None
+            if d is not None:
+                out[param.name] = d
+    return out
+
+
 def tensor_parallel(graph: OpGraph, parts: int) -> tuple[tuple[Split, ...], tuple[str, ...]]:
     """Megatron's MLP tensor parallelism of `graph` in `parts` (module docstring): its splits, and the split
     ops and updates that chain. A parameter that some split reader slices along one dim and none along
     another is cut too (the row-parallel weight), and one that some reader still reads whole after the
     propagation is not (a weight tied to an embedding), until nothing changes."""
-    seeds = column_seeds(graph)
+    seeds = {**column_seeds(graph), **head_seeds(graph)}
     if not seeds:
-        raise FasttError(f"megatron: '{graph.name}' has no MLP to cut (no linear layer widens its input)")
+        raise FasttError(f"megatron: '{graph.name}' has no MLP to cut (no linear layer widens its input) and "
+                         "no SDPA attention")
     for _ in range(6):
         splits, _ = _propagate(graph, seeds, parts)
         cuts = _param_cuts(graph, splits)
@@ -193,14 +234,45 @@ def tensor_parallel(graph: OpGraph, parts: int) -> tuple[tuple[Split, ...], tupl
 
 
 def megatron(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> Strategy:
-    """The `megatron` planner (module docstring) on a one-node cluster."""
+    """The `megatron` planner (module docstring): tensor parallelism over each node's devices, and on several
+    nodes data parallelism across them, each node one replica running the one-node plan on its share of the
+    batch, part k of a tensor-parallel gradient averaged with part k of the other nodes' (Megatron's data-
+    parallel groups: tensor-parallel rank k of every node)."""
     nodes = node_devices(cluster)
-    if len(nodes) > 1:
-        raise FasttError("megatron: data parallelism across nodes around tensor-parallel blocks is not "
-                         f"built; the cluster has {len(nodes)} nodes")
+    n = len(nodes[0])
+    if n < 2 or len({len(devs) for devs in nodes}) > 1:
+        raise FasttError("megatron needs two devices or more on every node, as many on each; the cluster's "
+                         f"nodes have {[len(devs) for devs in nodes]}")
+    if len(nodes) == 1:
+        return _one_node(graph, cluster, measured)
+    r = len(nodes)
+    data_parallel_graph(graph, r)  # FasttError where r replicas cannot compute the step
+    one = _one_node(rebatch(graph, graph.batch // r), _node(cluster, nodes[0]), measured)
+    order: list[tuple[str, ...]] = [()] * len(cluster.devices)
+    for k, devs in enumerate(nodes):  # replica k runs on node k as the one-node plan runs on node 0
+        for d, x in enumerate(devs):
+            order[x] = tuple(f"r{k}/{name}" for name in one.order[d])
+    s = Strategy(planner="megatron", n_devices=len(cluster.devices), replicas=r, order=tuple(order),
+                 placement={f"r{k}/{name}": devs[d] for name, d in one.placement.items()
+                            for k, devs in enumerate(nodes)},
+                 holders={name: tuple(sorted(devs[d] for d in held for devs in nodes))
+                          for name, held in one.holders.items()},
+                 splits=tuple(replace(sp, op=f"r{k}/{sp.op}") for k in range(r) for sp in one.splits),
+                 chained=tuple(f"r{k}/{c}" for k in range(r) for c in one.chained))
+    return ordered(graph, s, cluster, measured)
+
+
+def _node(cluster: Cluster, devices: tuple[int, ...]) -> Cluster:
+    """The cluster of `devices` (one node's), with the links and routes between them."""
+    return replace(cluster, name=f"{cluster.name}[{devices[0]}..{devices[-1]}]",
+                   devices=tuple(cluster.devices[d] for d in devices),
+                   routes={(a, b): cluster.routes[devices[a], devices[b]] for a in range(len(devices))
+                           for b in range(len(devices)) if a != b})
+
+
+def _one_node(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None) -> Strategy:
+    """Megatron's tensor parallelism of `graph` over every device of one node."""
     n = len(cluster.devices)
-    if n < 2:
-        raise FasttError("megatron needs two devices or more")
     splits, chained = tensor_parallel(graph, n)
     plain = Strategy(planner="megatron", n_devices=n, placement={}, order=((),) * n, holders={},
                      splits=splits, chained=chained)

@@ -15,19 +15,14 @@ from .portfolio import best_plan
 
 
 def plan(graph: OpGraph, cl: Cluster, planner: str = "fastt", budget_s: float | None = None,
-         measured: MeasuredCosts | None = None, chained: bool = True) -> Strategy:
+         measured: MeasuredCosts | None = None) -> Strategy:
     """A strategy for `graph` on `cl` from the named planner (see fastt.plan.PLANNERS).
 
     `budget_s` bounds the `fastt` and `os-dpos` planners' split search (they return the best plan found so
     far; 0 searches no splits); `measured` gives them measured op times (the other planners plan with the cost
-    model's estimates). `chained=False` keeps tensor-parallel weights (`megatron`'s chained updates) out of
-    the `fastt` planner's plans (the distributed runtime does not run them yet). A step in bf16 is refused on
-    a GPU without BF16 tensor cores.
+    model's estimates). A step in bf16 is refused on a GPU without BF16 tensor cores.
     """
     check_precision(graph, cl)
-    if planner == "fastt" and not chained:
-        budget = DEFAULT_BUDGET_S if budget_s is None else budget_s
-        return best_plan(graph, cl, budget, measured, chained=False)
     if planner in ("fastt", "os-dpos") and (budget_s is not None or measured is not None):
         budget = DEFAULT_BUDGET_S if budget_s is None else budget_s
         if planner == "fastt":

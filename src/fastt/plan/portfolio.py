@@ -27,19 +27,19 @@ SEARCH_S = 4.0
 
 
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
-              measured: MeasuredCosts | None = None, chained: bool = True) -> Strategy:
+              measured: MeasuredCosts | None = None) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio), data parallelism with sharded
-    updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and with
-    `chained`, Megatron's tensor parallelism (`megatron`), which the distributed runtime does not run yet (it
-    updates weights in parts, `split.chain_update`). The experts plan
+    updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and
+    Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`). The
+    experts plan
     first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
     OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
     tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
-    for name, expert in ({**EXPERTS, "megatron": megatron} if chained else EXPERTS).items():
+    for name, expert in {**EXPERTS, "megatron": megatron}.items():
         try:
             if name != "pipeline":
                 candidates.append(expert(graph, cluster, measured))

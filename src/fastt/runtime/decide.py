@@ -47,15 +47,13 @@ def tuner_of(tune: bool | Tuner) -> Tuner | None:
 
 def decide(graph: OpGraph, cl: Cluster, *, n_devices: int, planner: str, strategy: Strategy | None,
            tuner: Tuner | None, measure: Measure,
-           alone: Callable[[Callable[[], Strategy]], Strategy | None] = here,
-           chained: bool = True) -> Decision:
+           alone: Callable[[Callable[[], Strategy]], Strategy | None] = here) -> Decision:
     """The strategy to run `graph` with on `cl` (`n_devices` devices) and its measured costs (module
     docstring).
 
     `measure(batches, strategy)` measures the step's op times at those batch sizes, knowing the plan decided
     so far (None when the `fastt` planner is still to plan); `alone(fn)` runs the `fastt` planner's `fn()` and
-    returns its plan (`here`, or `distributed.alone_on_rank0`). `chained=False`: the `fastt` planner plans no
-    tensor-parallel weights (the distributed runtime does not run them).
+    returns its plan (`here`, or `distributed.alone_on_rank0`).
     """
     if strategy is None and tuner is not None and replicable(graph, n_devices):
         dp = plan(graph, cl, "dp")
@@ -69,5 +67,5 @@ def decide(graph: OpGraph, cl: Cluster, *, n_devices: int, planner: str, strateg
         batches = [graph.batch] + ([graph.batch // n_devices] if replicable(graph, n_devices) else [])
     costs = measure(batches, strategy)
     if planned:
-        strategy = alone(lambda: plan(graph, cl, "fastt", measured=costs, chained=chained))
+        strategy = alone(lambda: plan(graph, cl, "fastt", measured=costs))
     return Decision(strategy, costs, planned)

@@ -287,7 +287,7 @@ class _Run:
                                                 given=[pos for pos, _ in t.given], whole=whole)
             for name, cut in t.views:  # the views of the part that chained parts read
                 v = self.nodes[name]
-                env[f"{name}#{k}"] = view_part(v, env[f"{v.args[0].name}#{k}"], cut)
+                env[f"{name}#{k}"] = view_part(v, env[f"{v.args[0].name}#{k}"], cut, parts)
             return
         if t.kind == SHARD:  # this replica's rows of the parameter, its mean gradient and its state
             cut, k, parts = t.part
@@ -308,7 +308,8 @@ class _Run:
         if t.kind == JOIN:
             dim, _, parts = self.low.graph.ops[t.waits[0]].split
             env[t.head] = join(rule(self.nodes[t.head].target, dim),
-                               [self.get(t.replica, f"{t.head}#{k}", d) for k in range(parts)])
+                               [self.get(t.replica, f"{t.head}#{k}", d) for k in range(parts)],
+                               self.nodes[t.head].meta.get("val"))
         for name in t.nodes:
             n = self.nodes[name]
             args, kwargs = args_of(n)

@@ -46,7 +46,6 @@ class PlacedStep:
     targets: Sequence[torch.device] | None = None
     # fastt's plan raced against its rivals before training (`runtime.trial`)
     trial: Trial | None = None
-    chained = True  # whether it runs tensor-parallel weights (chained updates); distributed steps do not
 
     @property
     def strategy(self) -> Strategy:

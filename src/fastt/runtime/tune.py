@@ -114,8 +114,7 @@ class Tuner:
         if len(self.rounds) >= 2 * self.max_rounds or (len(self.rounds) > 1 and moved < self.tolerance):
             why = f"op times moved {moved:.1%}" if moved < self.tolerance else "rounds used up"
             return self._stop(step, why)
-        candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs,
-                         chained=step.chained)
+        candidate = plan(step.graph, step.cluster, "fastt", self.budget_s, measured=costs)
         if replace(candidate, planner=step.strategy.planner) == step.strategy:
             return self._stop(step, "the planner keeps the running plan")
         try:

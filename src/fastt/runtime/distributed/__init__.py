@@ -20,6 +20,10 @@ goes by point-to-point messages, all known before the first step (`wire`):
 - sharded updates (`fastt.shard`): the gradient's reduce-scatter is that `all_to_all` alone, cut at the row
   parts (`RowShards`); at the end the new parameter's rows are all-gathered (`RowGather`), and of the state
   each rank keeps its rows, rank 0 the whole (the others' rows sent to it).
+- chained updates (tensor-parallel weights, `split.chain_update`): part k of a new weight and of its state is
+  made on the rank of its gradient's part k; at the end the parts go to every rank that reads the weight
+  next step and to rank 0, which join them (`Wiring.chained`). Where the gradient parts are averaged across
+  replicas (megatron on several nodes), part k's allreduce is a collective of the ranks holding part k.
 
 Messages carry no tags: each direction between two ranks has a process group of its own (`directions`), whose
 messages are received in the order they are sent (`Wiring.inbox`), which is how NCCL matches them; gloo runs

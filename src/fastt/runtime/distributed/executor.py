@@ -229,12 +229,16 @@ class RankRun(_Run):
     def _rows_end(self, d: int) -> None:
         """Sharded updates' results, after every other collective of the step: each new parameter gathered
         whole (one `all_gather` per dtype, every rank's parts padded to the most a rank has), and the state
-        whose parts this rank received joined; both as replica 0's value, which the rank keeps."""
+        whose parts this rank received joined; both as replica 0's value, which the rank keeps. Chained
+        updates' results: their parts joined, in the replica's table whose parts the rank has."""
         for g in self.wiring.gathers:
             if d in g.ranks:
                 self._gather(g)
         for value, parts in self.wiring.joins[d]:
             self.envs[0][value] = torch.cat([self.envs[k][value] for k in range(parts)])
+        for r, value, dim, parts in self.wiring.chained[d]:  # a tensor-parallel weight's or its state's parts
+            made = [self.envs[r][f"{value}#{k}"] for k in range(parts if dim >= 0 else 1)]
+            self.envs[r][value] = torch.cat(made, dim) if dim >= 0 else made[0]
 
     def _gather(self, g: RowGather) -> None:
         made = {}

@@ -84,6 +84,8 @@ def leaf_view(typed: torch.Tensor, at: int, leaf: Leaf) -> torch.Tensor:
     if dense(shape, stride):  # as_strided counts from the start of the storage, not of typed
         return typed.as_strided(shape, stride, typed.storage_offset() + at)
     numel = leaf.numel
+    if any(st == 0 and n > 1 for n, st in zip(shape, stride)):  # an expanded tensor: no copy_ can write
+        return typed[at:at + numel].view(shape).clone()  # into its strides, so its elements, contiguous
     out = torch.empty_strided(shape, stride, dtype=dtype, device=typed.device)
     return out.copy_(typed[at:at + numel].view(shape))
 

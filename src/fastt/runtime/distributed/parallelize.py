@@ -64,7 +64,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     chosen = decide(graph, cl, n_devices=world, planner=planner, strategy=strategy, tuner=tuner,
                     measure=lambda batches, _: measure_step(graph, model, optimizer, example_inputs, batches,
                                                             threads, 1),
-                    alone=alone_on_rank0, chained=False)
+                    alone=alone_on_rank0)
     strategy, costs = chosen.strategy, chosen.costs
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -80,10 +80,6 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
                  tuner: Tuner | None = None) -> DistributedStep:
     """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
-    if any("update:" in name for name in strategy.chained):
-        raise FasttError("the plan updates tensor-parallel weights in parts (chained updates, the megatron "
-                         "planner), which only the local runtime runs so far: plan another way for torchrun "
-                         "ranks")
     placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     check_same(wiring)

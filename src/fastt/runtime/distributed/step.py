@@ -40,9 +40,8 @@ class DistributedStep(PlacedStep):
     what `DistributedSampler` and a DataLoader of batch B/world give rank r). The rows a plan reads on another
     rank travel there. Every rank may instead pass the same whole batch (nothing travels). The loss comes back
     on rank 0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep
-    what their devices read: of a sharded update's state (`fastt.shard`), only their rows."""
-
-    chained = False  # tensor-parallel weights (chained updates) run on the local runtime only, so far
+    what their devices read: of a sharded update's state (`fastt.shard`), only their rows; of a
+    tensor-parallel weight (chained updates), it and its state whole, its parts joined."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
                  wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,

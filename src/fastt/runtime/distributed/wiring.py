@@ -73,6 +73,9 @@ class Wiring:
     # rows it joins after the end-of-step messages (the state that rank 0 keeps whole), each with its parts.
     gathers: tuple[RowGather, ...] = ()
     joins: tuple[tuple[tuple[str, int], ...], ...] = ()
+    # Chained updates (tensor-parallel weights): per rank, the new values whose parts it joins after the
+    # end-of-step messages, each as (replica, value, dim, parts); dim < 0: every part made it whole.
+    chained: tuple[tuple[tuple[int, str, int, int], ...], ...] = ()
 
 
 class _Need(NamedTuple):
@@ -118,12 +121,12 @@ class _Post:
 
 
 def _produced(t: Task) -> tuple[str, ...]:
-    """The values a task writes into its replica's table."""
+    """The values a task writes into its replica's table (a chained update's part: `name#k`)."""
     if t.kind == PART:
         return part_names(t)
     if t.kind == JOIN:
         return (t.head, *t.nodes)
-    return t.nodes
+    return tuple(name + t.tag for name in t.nodes)
 
 
 def reads(low: Lowered, programs: Programs, seg: Segment) -> list[str]:
@@ -137,7 +140,8 @@ def reads(low: Lowered, programs: Programs, seg: Segment) -> list[str]:
         elif t.kind == JOIN:
             parts = low.graph.ops[t.waits[0]].split[2]
             names += [f"{t.head}#{k}" for k in range(parts)]
-        names += [x.name for n in t.nodes for x in programs.nodes[n].all_input_nodes]
+        renamed = dict(t.renamed)  # a chained update's part reads its gradient's part
+        names += [renamed.get(x.name, x.name) for n in t.nodes for x in programs.nodes[n].all_input_nodes]
     return list(dict.fromkeys(names))
 
 
@@ -154,6 +158,10 @@ def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
         if name in chunks:
             c = chunks[name]
             v = torch.tensor_split(vals[c.buffer], c.parts, c.dim)[c.index]
+        elif name.rsplit("#", 1)[0] in low.joined:  # a chained update's part of a new parameter or state
+            base, k = name.rsplit("#", 1)
+            dim, n_parts = low.joined[base]
+            v = vals[base] if dim < 0 else torch.tensor_split(vals[base], n_parts, dim)[int(k)]
         elif name in parts:
             t = parts[name]
             n = programs.nodes[t.head]
@@ -162,7 +170,7 @@ def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
                 made = {t.head: run_part(n.target, args, kwargs, *t.part)}
                 for view, cut in t.views:  # the views of the part its chained readers read
                     node = programs.nodes[view]
-                    made[view] = view_part(node, made[node.args[0].name], cut)
+                    made[view] = view_part(node, made[node.args[0].name], cut, t.part[2])
             v = made[name.rsplit("#", 1)[0]]
         else:
             v = vals.get(name)
@@ -240,8 +248,11 @@ def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Pos
     needs: list[list] = [[] for _ in range(n_dev)]
     keep: list[dict[str, Value]] = [{} for _ in range(n_dev)]
     rowed, params = _rows_made(low, programs), set(programs.placeholders[:len(low.step.param_names)])
-    end = _RowsEnd({}, [[] for _ in range(n_dev)])
+    end = _RowsEnd({}, [[] for _ in range(n_dev)], [[] for _ in range(n_dev)])
     for x, value in new.items():
+        if value in low.joined:  # a chained update's parts: to every rank that reads it next step, joined
+            _chained_end(low, x, value, readers[x], post, needs, keep, end)
+            continue
         parts = rowed.get(value)
         if parts:
             owners = tuple(where[k, value] for k in range(parts))
@@ -281,21 +292,40 @@ def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Pos
 
 class _RowsEnd(NamedTuple):
     """What a step's end does with the results of sharded updates: new parameters gathered (value -> (the
-    rank of each part, the ranks of the gather)), and per rank the values whose parts it joins."""
+    rank of each part, the ranks of the gather)), per rank the values whose parts it joins, and per rank the
+    chained updates' results whose parts it joins (`Wiring.chained`)."""
 
     gathered: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     joins: list[list[tuple[str, int]]]
+    chained: list[list[tuple[int, str, int, int]]]
 
 
-def _gathers(end: _RowsEnd, programs: Programs) -> tuple[tuple[RowGather, ...], tuple]:
-    """The all-gathers of the new parameters (one per set of ranks) and each rank's joins."""
+def _chained_end(low: Lowered, x: str, value: str, readers: set[int], post: _Post, needs: list[list],
+                 keep: list[dict[str, Value]], end: _RowsEnd) -> None:
+    """The new value of placeholder `x` that chained updates make in parts (`value#k`, `Lowered.joined`):
+    each rank that reads `x` next step (rank 0 always) gets the parts of one replica (one whose part it
+    makes, else replica 0: every replica's parts are the same, their gradients averaged alike) and joins
+    them after the end-of-step messages."""
+    dim, parts = low.joined[value]
+    names = [f"{value}#{k}" for k in range(parts if dim >= 0 else 1)]
+    replicas = sorted({k for k, name in post.where if name == names[0]})
+    for d in sorted(readers):
+        r = next((k for k in replicas for name in names if post.where.get((k, name)) == d), 0)
+        needs[d] += [post.need(r, name, d) for name in names]
+        end.chained[d].append((r, value, dim, parts))
+        keep[d][x] = (r, value)
+
+
+def _gathers(end: _RowsEnd, programs: Programs) -> tuple[tuple[RowGather, ...], tuple, tuple]:
+    """The all-gathers of the new parameters (one per set of ranks), each rank's joins and its chained
+    updates' joins."""
     groups: dict[tuple[int, ...], list[str]] = {}
     for value, (_, ranks) in end.gathered.items():
         groups.setdefault(ranks, []).append(value)
     leaf = {v: Leaf.of(programs.nodes[v].meta["val"]) for v in end.gathered}
     gathers = tuple(RowGather(ranks, tuple(names), tuple(leaf[v] for v in names),
                               tuple(end.gathered[v][0] for v in names)) for ranks, names in groups.items())
-    return gathers, tuple(map(tuple, end.joins))
+    return gathers, tuple(map(tuple, end.joins)), tuple(map(tuple, end.chained))
 
 
 def _rows_made(low: Lowered, programs: Programs) -> dict[str, int]:
