@@ -238,7 +238,9 @@ def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
         if x["planner"] != "eager":
             sim, measured = x["simulated_iteration_s"], x["measured_iteration_s"]
             assert sim > 0 and x["error"] == pytest.approx((sim - measured) / measured)
-    assert out["max_param_rel_diff"] <= 1e-5
+    # fastt's plan, where the trial keeps it, may split the mlp's matmuls as megatron does: their parts' sums
+    # round otherwise and flip relu masks within an ulp of zero, 2.3e-5 after these 4 steps (measured)
+    assert out["max_param_rel_diff"] <= (1e-4 if any(x.get("splits") for x in out["results"]) else 1e-5)
     bad = fastt("run", "--model", "mlp", "--devices", "4xV100", "--steps", "1", cwd=tmp_path)
     assert bad.returncode == 2 and "local runtime runs cpu:N" in bad.stderr
 

@@ -15,7 +15,7 @@ from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
 from .basic import zero
 from .megatron import megatron
-from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
+from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
 from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
 from .search import spread_plans
 
@@ -31,16 +31,21 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio), data parallelism with sharded
     updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and
-    Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`). The
-    experts plan
+    Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`) on one
+    node: on several, its replicas run the step at batch/nodes, another capture, and its plan took 5-7 s at
+    paper size (transformer, bert-base on 2x4xV100) and was never the fastest (bert-large on 2x4xV100:
+    247.3 ms against DP's 247.9 and the search's 163.3). The experts plan
     first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
     OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
     tried until one does (memory-bound training)."""
     deadline = time.perf_counter() + budget_s
     capture_s = _capture_time(graph, len(cluster.devices))
     candidates = []
+    nodes = len(node_devices(cluster))
     for name, expert in {**EXPERTS, "megatron": megatron}.items():
         try:
+            if name == "megatron" and nodes > 1:
+                continue  # a replica a node: a capture at batch/nodes and seconds of planning (docstring)
             if name != "pipeline":
                 candidates.append(expert(graph, cluster, measured))
                 continue

@@ -158,7 +158,7 @@ def _layouts(programs: Programs, names: Sequence[str], low: Lowered,
         if name in chunks:
             c = chunks[name]
             v = torch.tensor_split(vals[c.buffer], c.parts, c.dim)[c.index]
-        elif name.rsplit("#", 1)[0] in low.joined:  # a chained update's part of a new parameter or state
+        elif "#" in name and name.rsplit("#", 1)[0] in low.joined:  # a chained update's part of a new value
             base, k = name.rsplit("#", 1)
             dim, n_parts = low.joined[base]
             v = vals[base] if dim < 0 else torch.tensor_split(vals[base], n_parts, dim)[int(k)]
@@ -308,7 +308,7 @@ def _chained_end(low: Lowered, x: str, value: str, readers: set[int], post: _Pos
     them after the end-of-step messages."""
     dim, parts = low.joined[value]
     names = [f"{value}#{k}" for k in range(parts if dim >= 0 else 1)]
-    replicas = sorted({k for k, name in post.where if name == names[0]})
+    replicas = [k for k in range(low.replicas) if (k, names[0]) in post.where]
     for d in sorted(readers):
         r = next((k for k in replicas for name in names if post.where.get((k, name)) == d), 0)
         needs[d] += [post.need(r, name, d) for name in names]
