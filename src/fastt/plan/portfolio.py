@@ -33,8 +33,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET
     updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and
     Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`) on one
     node: on several, its replicas run the step at batch/nodes, another capture, and its plan took 5-7 s at
-    paper size (transformer, bert-base on 2x4xV100) and was never the fastest (bert-large on 2x4xV100:
-    247.3 ms against DP's 247.9 and the search's 163.3). The experts plan
+    paper size (transformer, bert-base on 2x4xV100) and did not win where simulated (bert-large on
+    2x4xV100: 247.3 ms against DP's 247.9 and the search's 163.3). The experts plan
     first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
     OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
     tried until one does (memory-bound training)."""
