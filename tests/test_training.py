@@ -96,7 +96,9 @@ def test_lr_schedules_train_as_eager(planner: str, schedule: str) -> None:
         warnings.simplefilter("error", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
         diff, ours, theirs = train_both(mlp, planner, schedule)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-    assert diff <= 1e-5
+    # fastt's plan, where the trial keeps it, splits the mlp's matmuls as megatron does: the parts' sums round
+    # otherwise and flip relu masks within an ulp of zero (2.3e-5 of a step measured; 1.6e-16 in float64)
+    assert diff <= (1e-4 if planner == "fastt" else 1e-5)
 
 
 GROUPED = {
