@@ -374,7 +374,6 @@ def test_zoo_mlp(mlp: OpGraph, name: str) -> None:
     assert tl.iteration_s <= 3 * single.iteration_s
 
 
-@pytest.mark.slow
 def test_paper_bert_large_plans_in_seconds() -> None:
     """~2900 ops on 8 V100s: every baseline (m-SCT's LP included) plans in a few seconds and fits."""
     w = zoo.get("bert-large", "paper")

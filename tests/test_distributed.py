@@ -64,12 +64,13 @@ def results(path: Path) -> dict:
     return {r["planner"]: r for r in json.loads(path.read_text())["results"]}
 
 
-CASES = [("mlp", 2), ("transformer", 2), ("inception_v3", 2), ("mlp", 4), ("transformer", 4)]
-CASES += [("llama", 2)]  # constants of the step (its key/value cache's empty tensors) on every rank
+SLOW = pytest.mark.slow  # not in CI's run (scripts/dev.sh test); scripts/dev.sh test-all runs them
+CASES = [("mlp", 2), ("llama", 2)]  # llama: constants of the step (its key/value cache's empty tensors) on every rank
+CASES += [pytest.param(*c, marks=SLOW) for c in [("transformer", 2), ("inception_v3", 2), ("mlp", 4),
+                                                  ("transformer", 4)]]
 CASES += [("inception_v3", 4), ("transformer", 3)] if FULL else []  # 3: uneven shards, a mean divided by 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("model", "ranks"), CASES)
 def test_plans_over_gloo_train_as_eager(model: str, ranks: int, tmp_path: Path) -> None:
     """Plans without split ops train as eager does over the whole trajectory. A split op sums its parts in
@@ -194,7 +195,7 @@ def test_without_torchrun_each_survivor_names_the_killed_rank_within_30_s(ranks:
         assert said and re.search(named, said[-1]), err[-3000:]
 
 
-@pytest.mark.parametrize(("first", "replicas"), [("dp", [2, 2, 2, 1, 1, 1, 2, 2, 2]),
+@pytest.mark.parametrize(("first", "replicas"), [pytest.param("dp", [2, 2, 2, 1, 1, 1, 2, 2, 2], marks=SLOW),
                                                  ("zero", [2, 2, 2, 2, 2, 2, 1, 1, 1, 2, 2, 2])])
 def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(first: str, replicas: list[int],
                                                                       tmp_path: Path) -> None:
@@ -211,8 +212,8 @@ def test_switching_plans_mid_training_hands_every_rank_rank_0s_state(first: str,
 
 
 @pytest.mark.parametrize(("models", "optimizers", "ranks"), [
-    ("mlp", "sgd,adam", 2), pytest.param("transformer", "sgd,adam", 2, marks=pytest.mark.slow),
-    pytest.param("mlp,transformer", "sgd", 3, marks=pytest.mark.slow)])  # 3: rows cut unevenly
+    ("mlp", "sgd,adam", 2), pytest.param("transformer", "sgd,adam", 2, marks=SLOW),
+    pytest.param("mlp,transformer", "sgd", 3, marks=SLOW)])  # 3: rows cut unevenly
 def test_sharded_updates_over_gloo_train_as_eager_each_rank_keeping_its_rows_of_the_state(
         models: str, optimizers: str, ranks: int, tmp_path: Path) -> None:
     """The zero planner (ZeRO's stage 2) on gloo ranks, 20 steps from the same state each: every step the local
@@ -331,7 +332,6 @@ def test_megatron_over_gloo_trains_as_eager(tmp_path: Path) -> None:
     assert r["splits"] > 0 and r["max_step_rel_diff"] <= 1e-5, r
 
 
-@pytest.mark.slow
 def test_megatron_on_two_nodes_over_gloo_trains_as_eager(tmp_path: Path) -> None:
     """Two torchrun agents of 2 ranks each as two nodes: megatron is tensor parallelism inside each node and
     data parallelism across them, each chained update's gradient part averaged between the nodes' ranks that
@@ -342,8 +342,7 @@ def test_megatron_on_two_nodes_over_gloo_trains_as_eager(tmp_path: Path) -> None
     assert r["replicas"] == 2 and r["splits"] > 0 and r["max_step_rel_diff"] <= 1e-5, r
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=SLOW)])
 def test_random_plans_train_as_eager_with_collectives_of_every_shape(seed: int, tmp_path: Path) -> None:
     """mlp's step in 4 replicas, its ops on 2 ranks at random: a rank adds up several replicas' gradients before
     the collective, reads a mean it holds no gradient of (adds zeros), or holds all of them (no collective)."""
@@ -394,8 +393,8 @@ def test_plans_over_nccl_train_as_eager(model: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("model", "planner"), [("mlp", "dp"), ("mlp", "fastt"), ("mlp", "zero"),
-                                                pytest.param("transformer", "dp", marks=pytest.mark.slow),
-                                                pytest.param("transformer", "fastt", marks=pytest.mark.slow)])
+                                                pytest.param("transformer", "dp", marks=SLOW),
+                                                pytest.param("transformer", "fastt", marks=SLOW)])
 def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner: str, tmp_path: Path) -> None:
     """Each rank its shard; StepLR, CosineAnnealingLR, OneCycleLR (which also cycles the momentum) and a LambdaLR
     warm-up, with the gradients clipped to a third of their first norm: 20 steps, every one the plain one-device
@@ -438,7 +437,7 @@ def fastt_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 MODELS = Path(__file__).parent / "distributed_models.py"
 
 
-@pytest.mark.parametrize("loss", ["summed", "mean", "masked", pytest.param("frozen", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("loss", ["summed", "mean", "masked", "frozen"])
 def test_fastt_run_check_over_torchrun_equals_the_one_device_eager_step(loss: str, tmp_path: Path) -> None:
     """A sum, a mean and a -100-masked mean (the ranks' shards count differently), and a transformer with
     frozen layers: `fastt run --check --launcher torchrun` under dp and fastt."""

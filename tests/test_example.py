@@ -53,13 +53,11 @@ def test_a_run_stopped_after_its_checkpoint_resumes_as_if_never_stopped(tmp_path
         assert resumed[k] == whole[k], k
 
 
-@pytest.mark.slow
 def test_the_full_run_reaches_its_stated_accuracy_in_under_2_minutes(tmp_path: Path) -> None:
     r = digits.main(["--plot", str(tmp_path / "loss.png")])
     assert r["accuracy"] >= digits.TARGET_ACCURACY and r["wall_s"] < 120, r
 
 
-@pytest.mark.slow
 def test_the_small_form_trains_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,

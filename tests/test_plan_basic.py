@@ -272,7 +272,6 @@ def test_lower_bound_hand_computed() -> None:
     assert lower_bound(g, np.zeros((6, 2)), 2) == 0
 
 
-@pytest.mark.slow
 def test_data_parallel_beats_single_on_paper_vgg19() -> None:
     """At paper size the step is compute-bound and DP on 4 V100s wins clearly (FakeTensor capture: no memory)."""
     w = zoo.get("vgg19", "paper", dropout=False)

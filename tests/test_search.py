@@ -144,7 +144,6 @@ def test_search_plans_train_as_eager(name: str) -> None:
     trains_as_eager(name, first_held_once)
 
 
-@pytest.mark.slow
 def test_fastt_beats_dp_where_its_gradients_cross_the_nodes() -> None:
     """The issue's check, simulated: on 2x4xV100, fastt below DP and no slower than any expert's plan."""
     from fastt.api import plan
@@ -164,7 +163,6 @@ def test_fastt_beats_dp_where_its_gradients_cross_the_nodes() -> None:
             assert ours <= theirs * (1 + 1e-9), (name, p)
 
 
-@pytest.mark.slow
 def test_fastt_is_no_slower_than_the_expert_pipeline_on_small_models() -> None:
     """The cases of docs/benchmarks.md where the expert pipeline's finer micro-batches beat fastt (mlp and
     alexnet on 2x4xA100@25Gbps): the step at the finer shards is quick to capture, so fastt tries that cut too."""
