@@ -27,6 +27,7 @@ from fastt import zoo
 from fastt.errors import FasttError
 from fastt.plan.portfolio import OPTIONAL
 from fastt.precision import NAMES, dtype_of
+from fastt.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMM_BOUND = ("8xA100-pcie", "2x4xV100", "2x4xV100-pcie", "2x4xA100@25Gbps", "4x1xV100@10Gbps")
@@ -70,11 +71,22 @@ def run(models: list[str], clusters: list[str], planners: list[str], size: str,
                              "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes]})
                 bar.update()
             fastt_row = next((r for r in rows[::-1] if r["model"] == m and r["cluster"] == c and r["planner"] == "fastt"), None)
-            if fastt_row is not None:  # whose plan fastt kept: the planner that made the same plan
-                fastt_row["source"] = next((p for p, s in plans.items() if p != "fastt" and
-                                            dataclasses.replace(s, planner="fastt") == plans["fastt"]), None)
+            if fastt_row is not None:
+                fastt_row["source"] = source(plans)
     bar.close()
     return rows
+
+
+def source(plans: dict[str, Strategy]) -> str:
+    """Whose plan fastt kept: the planner that made the same plan; that plan with its replicated updates
+    sharded (the portfolio's `with_sharded_updates`); else fastt's own variant of one, its splits chained."""
+    f = plans["fastt"]
+    for unsharded, suffix in ((f, ""), (dataclasses.replace(f, sharded=()), "+sharded")):
+        p = next((p for p, s in plans.items() if p != "fastt" and dataclasses.replace(s, planner="fastt") == unsharded),
+                 None)
+        if p is not None and (suffix == "" or f.sharded):
+            return p + suffix
+    return "chained" if f.chained else "other"
 
 
 def _geomean(xs: list[float]) -> float | None:
@@ -133,7 +145,8 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
   search's (`search`: a spread per layer, every device, a node's devices or one device, chosen on a linear cost
   model by local search and an ILP that HiGHS solves; docs/design.md, "The search") and OS-DPOS's (FastT's
   algorithm, `os-dpos`). A column is "-" where an expert plan does not apply (no embedding tables, one node...).
-- Whose plan fastt kept, over the cases: {", ".join(f"{k} {v}" for k, v in sorted(won.items())) or "-"}.
+- Whose plan fastt kept, over the cases ("+sharded": that plan with its replicated updates sharded;
+  "chained": a plan whose splits the portfolio chained; "other": none of these): {", ".join(f"{k} {v}" for k, v in sorted(won.items())) or "-"}.
 - /LB is fastt's time over the simulator's lower bound (the critical path with every op on its fastest device,
   or the total work spread evenly, whichever is larger): what is left to win, at most.
 - Cases where DP does not fit: {", ".join(misfit) or "none"}.

@@ -17,8 +17,8 @@ case "$cmd" in
   test|test-all)
     .venv/bin/ruff check --quiet .  # lint first: a style error fails in seconds, not after the suite
     # test (what CI runs): every test but those marked slow, the larger copies of a check that a smaller one in
-    # the suite already makes (more models, more ranks, more schedules): about 27 minutes on 2 cores.
-    # test-all: those too (about 40 minutes). Either runs each benchmark at its small size.
+    # the suite already makes (more models, more ranks, more schedules): 26 minutes on 2 cores (1542 s, a fresh clone).
+    # test-all: those too (2333 s here, quiet). Either runs each benchmark at its small size.
     marks=(); [ "$cmd" = test ] && marks=(-m "not slow")
     exec .venv/bin/python -m pytest -q -p no:cacheprovider ${marks[@]+"${marks[@]}"} "$@" ;;
   *) echo "usage: scripts/dev.sh demo|test|test-all [args...]" >&2; exit 2 ;;
