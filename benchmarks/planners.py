@@ -80,12 +80,15 @@ def run(models: list[str], clusters: list[str], planners: list[str], size: str,
 def source(plans: dict[str, Strategy]) -> str:
     """Whose plan fastt kept: the planner that made the same plan; that plan with its replicated updates
     sharded (the portfolio's `with_sharded_updates`); else fastt's own variant of one, its splits chained."""
+    def maker(plan: Strategy) -> str | None:
+        return next((p for p, s in plans.items() if p != "fastt" and dataclasses.replace(s, planner="fastt") == plan),
+                    None)
+
     f = plans["fastt"]
-    for unsharded, suffix in ((f, ""), (dataclasses.replace(f, sharded=()), "+sharded")):
-        p = next((p for p, s in plans.items() if p != "fastt" and dataclasses.replace(s, planner="fastt") == unsharded),
-                 None)
-        if p is not None and (suffix == "" or f.sharded):
-            return p + suffix
+    if (p := maker(f)) is not None:
+        return p
+    if f.sharded and (p := maker(dataclasses.replace(f, sharded=()))) is not None:
+        return p + "+sharded"
     return "chained" if f.chained else "other"
 
 
