@@ -36,9 +36,10 @@ class LogitsOnly(nn.Module):
     inspection, and its causal mask is SDPA's ``is_causal``. A padded batch's 2D ``attention_mask`` is passed
     on as the 4D boolean mask transformers would build from it: given the 2D mask, transformers first checks
     whether anything is padded (``mask.all()``), to skip it. ``pad_token_id`` is None, so no padding check on
-    the token values runs either. For BERT (``bert=True``) position and token type ids are passed explicitly,
-    so its real ``position_ids`` and ``token_type_ids`` buffers are never read (a fake-mode trace of a
-    real-tensor workload rejects real tensors it did not get as inputs).
+    the token values runs either. BERT (``bert=True``) gets explicit all-zero ``token_type_ids`` (else its
+    buffer is expanded and gathered) but no ``position_ids``: its embeddings slice their own buffer, and
+    since transformers 5.25 position ids given without an attention mask are inspected for packed sequences
+    (``find_packed_sequence_indices``), a branch on their values.
     """
 
     def __init__(self, model: nn.Module, bert: bool = False, ones_mask: bool = True) -> None:
@@ -56,8 +57,6 @@ class LogitsOnly(nn.Module):
             if self.ones_mask:
                 kwargs["attention_mask"] = torch.ones_like(input_ids)
         else:
-            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-            kwargs["position_ids"] = pos.unsqueeze(0).expand_as(input_ids)
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
         return self.model(input_ids=input_ids, return_dict=True, **kwargs).logits
 
