@@ -238,6 +238,10 @@ def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
         if x["planner"] != "eager":
             sim, measured = x["simulated_iteration_s"], x["measured_iteration_s"]
             assert sim > 0 and x["error"] == pytest.approx((sim - measured) / measured)
+            # each device's busy time in the last step: within that step, on the devices the plan uses
+            n = 1 if x["planner"] == "single" or x["trial"] and x["trial"]["kept"] == "single" else 2
+            assert len(x["busy_s"]) == len(x["simulated_busy_s"]) >= n
+            assert all(b > 0 for b in x["busy_s"][:n]) and all(b > 0 for b in x["simulated_busy_s"][:n])
     # fastt's plan, where the trial keeps it, may split the mlp's matmuls as megatron does: their parts' sums
     # round otherwise and flip relu masks within an ulp of zero, 2.3e-5 after these 4 steps (measured)
     assert out["max_param_rel_diff"] <= (1e-4 if any(x.get("splits") for x in out["results"]) else 1e-5)

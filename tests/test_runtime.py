@@ -154,6 +154,21 @@ def test_data_parallel_takes_the_eager_step(name: str, optimizer: str) -> None:
         assert_same(ref, ours, scaled=True)
 
 
+def test_a_profiled_step_takes_the_eager_step_and_its_busy_times_lie_within_it() -> None:
+    """`step.profiled` (what `fastt run` reports each device's busy time from) is the step itself, timed."""
+    ref, ours = pair("mlp")
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", "dp")
+    for i in range(2):
+        batch = fresh_batch(ref, i)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, 2)
+        t0 = time.perf_counter()
+        _, busy, reducing = step.profiled(*batch)
+        wall = time.perf_counter() - t0
+        assert_same(ref, ours, scaled=True)
+        assert len(busy) == len(reducing) == 2 and all(0 < b + r <= wall for b, r in zip(busy, reducing))
+        assert sum(reducing) > 0, "some device computes the mean of the replicas' gradients"
+
+
 def test_split_ops_run_exactly() -> None:
     ref, ours = pair("alexnet")
     g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)

@@ -102,5 +102,32 @@ def test_tuning_while_training_keeps_training_exact() -> None:
 def test_tune_starts_data_parallel() -> None:
     _, ours = pair("mlp")
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2",
-                       tune=Tuner(log=lambda line: None))
+                       tune=Tuner(log=lambda line: None), trial=False)
     assert step.strategy.planner == "dp" and step.strategy.replicas == 2
+
+
+@pytest.mark.parametrize("one_device_wins", [True, False])
+def test_tuning_starts_from_the_faster_of_dp_and_one_device_on_every_core(monkeypatch, one_device_wins) -> None:
+    """The tuner replans over the worker devices, so it would never reach one device with every core (what
+    eager uses): its start plan is raced against that rival first, with the tuner idle. Where the rival
+    measures faster it is kept and nothing is tuned; else tuning starts from data parallelism."""
+    from fastt.runtime import trial
+
+    races = []
+
+    def times(contenders, batch, steps, clock):
+        races.append([(c.strategy.planner, c.tuner) for c in contenders])
+        return [1.0, 0.5 if one_device_wins else 2.0]
+
+    monkeypatch.setattr(trial, "trial_times", times)
+    _, ours = pair("mlp")
+    lines: list[str] = []
+    tuner = Tuner(log=lines.append)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", tune=tuner)
+    assert races == [[("dp", None), ("single", None)]], "the tuner must be idle during the race"
+    assert step.trial.one_device_s == (0.5 if one_device_wins else 2.0) and step.trial.fastt_plan_s == 1.0
+    if one_device_wins:
+        assert step.strategy.n_devices == 1 and step.tuner is None and not tuner.active
+        assert lines == ["tune: none (one device with every core measured 500.0 ms a step, dp's plan 1000.0 ms)"]
+    else:
+        assert step.strategy.planner == "dp" and step.tuner is tuner and tuner.active and not lines

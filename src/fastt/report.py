@@ -143,6 +143,15 @@ def format_run(out: dict) -> str:
         lines.append(f"  {r['planner']:<8} measured {r['measured_iteration_s'] * 1e3:9.1f} ms  "
                      f"simulated {sim} ms  {err:>5}{setup}".rstrip())
     for r in out["results"]:
+        if r.get("busy_s"):
+            used = [d for d, (m, s) in enumerate(zip(r["busy_s"], r["simulated_busy_s"])) if m or s]
+            pairs = ", ".join(f"{r['busy_s'][d] * 1e3:.1f}/{r['simulated_busy_s'][d] * 1e3:.1f}"
+                              for d in used)
+            means = ", ".join(f"{r['allreduce_s'][d] * 1e3:.1f}" for d in used)
+            lines.append(f"  {r['planner']}: last step's busy ms per device, measured/simulated: {pairs}; "
+                         f"allreduce means computed {means} (simulated on links: "
+                         f"{r['simulated_allreduce_s'] * 1e3:.1f})")
+    for r in out["results"]:
         if t := r.get("trial"):
             rivals = [f"{name} {t[k] * 1e3:.1f} ms"
                       for name, k in (("dp", "dp_s"), ("one device on every core", "one_device_s"))

@@ -12,7 +12,7 @@ import torch
 from ..cluster import cluster, torch_device
 from ..precision import name_of
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
-from .step import parallelize
+from .step import ParallelStep, parallelize
 from .trial import timed
 from .tune import Tuner
 
@@ -32,13 +32,16 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
-    its plan in the first steps: the median over the steps after tuning). `setup_s`: what `parallelize` took,
-    the `fastt` planner's trial against data parallelism included (`trial=False`: its plan unmeasured). With
-    `check`, every step is also taken by the plain one-device eager step from the same state (`take_state`),
-    with the worker devices' thread count, and the largest relative difference of any parameter after a step
-    is reported. On GPUs the model lives on the first device, and `eager` is plain PyTorch there.
-    `clip_grad_norm`: every step clips the gradients' global norm (`torch.nn.utils.clip_grad_norm_`), eager's
-    too. `autocast`: every step's forward runs under `torch.autocast` in that dtype, eager's too.
+    its plan in the first steps: the median over the steps after tuning). `busy_s`: each device's busy seconds
+    in the last step (`ParallelStep.profiled`), beside the simulator's (`simulated_busy_s`), and
+    `allreduce_s` what each spent computing allreduce means. `setup_s`: what
+    `parallelize` took, the `fastt` planner's trial against data parallelism included (`trial=False`: its
+    plan unmeasured). With `check`, every step is also taken by the plain one-device eager step from the same
+    state (`take_state`), with the worker devices' thread count, and the largest relative difference of any
+    parameter after a step is reported. On GPUs the model lives on the first device, and `eager` is plain
+    PyTorch there. `clip_grad_norm`: every step clips the gradients' global norm
+    (`torch.nn.utils.clip_grad_norm_`), eager's too. `autocast`: every step's forward runs under
+    `torch.autocast` in that dtype, eager's too.
     """
     home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
@@ -56,12 +59,17 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                            clip_grad_norm=clip_grad_norm, trial=trial, autocast=autocast)
         setup_s = time.perf_counter() - t0
         ref = _placed(make, home) if check else None
-        times, tuned = [], 0
-        for b in batches:
+        times, tuned, busy, reducing = [], 0, [], []
+        for k, b in enumerate(batches):
             replicas = step.strategy.replicas
             if ref is not None:
                 take_state(model, opt, ref[1], ref[3])
-            times.append(timed(step, *b))
+            last = k == len(batches) - 1 and not (tuner is not None and tuner.active)
+            if last:
+                seconds, busy, reducing = timed_busy(step, b)
+                times.append(seconds)
+            else:
+                times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
             if ref is not None:
                 diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm,
@@ -72,12 +80,30 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         results.append({"planner": planner, "measured_iteration_s": measured,
                         "simulated_iteration_s": step.simulated_s,
                         "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
+                        "busy_s": busy, "allreduce_s": reducing,
+                        **simulated_busy(step),
                         "splits": len(step.strategy.splits), "setup_s": setup_s,
                         "trial": step.trial._asdict() if step.trial else None,
                         "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
     return {"model": name, "devices": devices, "steps": steps, "results": results,
             "max_param_rel_diff": worst if check else None, "clip_grad_norm": clip_grad_norm,
             "precision": name_of(autocast)}
+
+
+def simulated_busy(step: ParallelStep) -> dict:
+    """The simulator's busy seconds of each device (`simulated_busy_s`) and of the allreduces, on links
+    (`simulated_allreduce_s`), in the step's plan with its costs now."""
+    tl = step.timeline()
+    return {"simulated_busy_s": list(tl.busy_s),
+            "simulated_allreduce_s": sum(c.end - c.start for c in tl.collectives)}
+
+
+def timed_busy(step: ParallelStep, batch: Sequence[torch.Tensor]) -> tuple[float, list, list]:
+    """`timed(step, *batch)` and each device's busy seconds in that step in segments and in allreduces
+    (`ParallelStep.profiled`)."""
+    out: list = []
+    seconds = timed(lambda *b: out.extend(step.profiled(*b)[1:]), *batch)
+    return seconds, *out
 
 
 def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,

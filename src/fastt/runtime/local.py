@@ -59,6 +59,8 @@ class _Run:
                  budgets: Sequence[Budget] = ()) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
         self.meter, self.budgets = meter, budgets
+        # with `timings`: each device's seconds computing allreduce means (between its segments)
+        self.reducing = [0.0] * len(programs.devices)
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
         self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
@@ -159,6 +161,7 @@ class _Run:
         its rows. The replicas' own gradients are kept aside until every replica has its rows."""
         if not all(self.wait(j, d) for j in self.low.graph.ops[a].inputs):
             return False
+        t0 = time.perf_counter()
         names, r = self.low.allreduces[a], len(self.envs)
         with self.lock:
             for name in names:
@@ -176,6 +179,8 @@ class _Run:
             self.release(j, names)
         if self.cuda:
             self.held += grads
+        if self.timings is not None:
+            self.reducing[d] += time.perf_counter() - t0
         return True
 
     def finished(self, ops: Sequence[int], d: int) -> None:
@@ -227,6 +232,7 @@ class _Run:
         """Average the gradients of allreduces `ops` across replicas on device d, summed in replica order."""
         if not all(self.wait(j, d) for a in ops for j in self.low.graph.ops[a].inputs):
             return False
+        t0 = time.perf_counter()
         names = [name for a in ops for name in self.low.allreduces[a]]
         # Two allreduces may carry one gradient (a clip's norm and its update both read it): each averages the
         # replicas' own gradients, kept aside by the first, never a mean another device has written meanwhile.
@@ -248,6 +254,8 @@ class _Run:
         if self.cuda:  # the gradients were read on d's stream: other streams must not reuse their memory yet
             self.held += grads
         self.finished(ops, d)
+        if self.timings is not None:
+            self.reducing[d] += time.perf_counter() - t0
         return True
 
     def average(self, names: Sequence[str], grads: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -455,7 +463,8 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              budgets: Sequence[Budget] = ()) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
     state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of
-    every segment run (on CUDA the segment's GPU time); `meter` counts what each device's thread allocates;
+    every segment run (on CUDA the segment's GPU time), and on CPU (None, device, seconds) of the allreduce
+    means each device computed between its segments; `meter` counts what each device's thread allocates;
     `budgets` (the placed plan's) are what a device that runs out of memory is said to have needed."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
     run = _Run(low, programs, envs, threads_per_device, timings, meter, budgets)
@@ -495,6 +504,8 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
     if timings is not None and gpus:
         timings[:] = [(seg, d, t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3)
                       for seg, d, t in timings]
+    elif timings is not None:
+        timings += [(None, d, s) for d, s in enumerate(run.reducing) if s]
     home = params[0].device if params else programs.targets[0]
     for name, d, region in programs.writeback:  # a buffer replica 0 updated on another GPU
         if (0, name, d) in run.moved:

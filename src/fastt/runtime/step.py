@@ -21,11 +21,12 @@ from ..graph import OpGraph
 from ..lower import Lowered
 from ..plan.basic import data_parallel, single_device
 from ..precision import check_scaler
+from ..simulate import Timeline, simulate_plan
 from ..strategy import Strategy
 from .decide import decide, tuner_of
 from .local import run_step
 from .meter import StorageMeter
-from .programs import Placed, place
+from .programs import Placed, place, release_points
 from .trial import Trial, raced, trial_steps
 from .tune import Tuner
 
@@ -59,6 +60,12 @@ class PlacedStep:
     def simulated_s(self) -> float:
         return self.placed.simulated_s
 
+    def timeline(self) -> Timeline:
+        """The running plan simulated with the step's costs now (the tuner refits them)."""
+        placed = self.placed
+        return simulate_plan(self.graph, placed.strategy, self.cluster, self.costs,
+                             release=release_points(placed.lowered, placed.programs))
+
 
 class ParallelStep(PlacedStep):
     """One training step of a model under a plan: `loss = step(*batch)`. The model's parameters and the
@@ -75,7 +82,21 @@ class ParallelStep(PlacedStep):
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         tuning = self.tuner is not None and self.tuner.active
-        timings: list | None = [] if tuning else None
+        return self._step(batch, [] if tuning else None, tuning)
+
+    def profiled(self, *batch: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
+        """One training step, as `step(*batch)` takes it, and each device's busy seconds in it: (loss, the
+        wall time of the segments it ran, the time it spent computing allreduce means between them). Waits
+        for other devices' values are in neither. The simulator's `Timeline.busy_s` is the first's sum over
+        its ops; it runs allreduces on links, beside the devices."""
+        timings: list = []
+        loss = self._step(batch, timings, False)
+        busy, reducing = [0.0] * len(self.cluster.devices), [0.0] * len(self.cluster.devices)
+        for seg, d, seconds in timings:
+            (busy if seg is not None else reducing)[d] += seconds
+        return loss, busy, reducing
+
+    def _step(self, batch: Sequence[torch.Tensor], timings: list | None, tuning: bool) -> torch.Tensor:
         t0 = time.perf_counter()
         step = self.lowered.step
         step.check(self.model, self.optimizer, batch, self.lowered.replicas)
@@ -123,7 +144,9 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     many; False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial`
     has the medians and which plan was kept (`fastt.runtime.trial`). A one-device `strategy` (the trial's
     rival kept, saved) runs on one CPU worker device with every core. `tune=True` (or a configured `Tuner`)
-    instead starts from data parallelism when it fits and runs FastT's tuning loop during the first steps.
+    instead starts from data parallelism when it fits and runs FastT's tuning loop during the first steps; on
+    CPU worker devices, without a `strategy`, that start is first raced against one device with every core
+    (`trial` steps), and where that rival measures faster it is kept and nothing is tuned.
     `clip_grad_norm` clips the gradients to that global norm before every update, as
     `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`. `accumulate=k` takes each
     step's batch as k micro-batches per device, one after the other, and updates once with the whole batch's
@@ -169,10 +192,29 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
                             threads, tuning)
 
     step = placed(chosen.strategy, tuner)
+    alone = None if cuda or n < 2 else lambda: all_cores(model, optimizer, graph, example_inputs)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
-        alone = None if cuda or n < 2 else lambda: all_cores(model, optimizer, graph, example_inputs)
         step = raced(step, placed, example_inputs, trial_steps(trial), alone=alone)
+    elif tuner is not None and strategy is None and alone is not None:
+        step = _raced_before_tuning(step, placed, example_inputs, trial_steps(trial), alone, tuner)
     return step
+
+
+def _raced_before_tuning(step: ParallelStep, place_dp: Callable[[Strategy], ParallelStep],
+                         batch: Sequence[torch.Tensor], steps: int, alone: Callable[[], ParallelStep],
+                         tuner: Tuner) -> ParallelStep:
+    """The plan the tuner starts from (data parallelism where it fits), raced (`raced`) against one device
+    with every core before tuning, the tuner idle during the race: the tuner replans over the cluster's worker
+    devices, so it never reaches that rival itself. Where the rival is kept, there is nothing to tune."""
+    step.tuner = None
+    kept = raced(step, place_dp, batch, steps, alone=alone)
+    if kept is step:
+        step.tuner = tuner
+    else:
+        t = kept.trial
+        tuner.skip(f"one device with every core measured {t.one_device_s * 1e3:.1f} ms a step, "
+                   f"{step.strategy.planner}'s plan {t.fastt_plan_s * 1e3:.1f} ms")
+    return kept
 
 
 def all_cores(model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph,

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
 from ..plan.named import plan
-from ..simulate import simulate_plan
-from .programs import Placed, place, release_points
+from .programs import Placed, place
 
 if TYPE_CHECKING:
     from .step import PlacedStep
@@ -34,6 +33,8 @@ def refit(placed: Placed, timings: Sequence[tuple], costs: MeasuredCosts, cluste
     times = op_times(g, cluster, costs)
     samples: dict[str, list[float]] = defaultdict(list)
     for seg, d, seconds in timings:
+        if seg is None:  # an allreduce's mean, not an op's
+            continue
         ops = [t.op for t in seg.tasks]
         predicted = float(sum(times[i, d] for i in ops))
         if predicted <= 0:
@@ -124,6 +125,11 @@ class Tuner:
         self._kept = (step.placed, measured)
         step.placed = trial
 
+    def skip(self, why: str) -> None:
+        """End tuning before it started (the step runs a plan the tuner does not replan)."""
+        self.active = False
+        self.log(f"tune: none ({why})")
+
     def _record(self, placed: Placed, measured: float, kept: bool, verdict: str) -> None:
         self.rounds.append(Round(_describe(placed), placed.simulated_s, measured, kept))
         self.log(f"tune: {_describe(placed)}: simulated {placed.simulated_s * 1e3:.1f} ms, measured "
@@ -132,9 +138,7 @@ class Tuner:
     def _stop(self, step: PlacedStep, why: str) -> None:
         """End tuning; the running plan's simulated time is recomputed with the refitted costs."""
         self.active = False
-        placed = step.placed
-        simulated = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
-                                  release=release_points(placed.lowered, placed.programs)).iteration_s
+        simulated = step.timeline().iteration_s
         step.placed = replace(step.placed, simulated_s=simulated)
         self.log(f"tune: done ({why}); {_describe(step.placed)} simulated with the refitted costs: "
                  f"{simulated * 1e3:.1f} ms")
