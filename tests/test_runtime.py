@@ -169,6 +169,32 @@ def test_a_profiled_step_takes_the_eager_step_and_its_busy_times_lie_within_it()
         assert sum(reducing) > 0, "some device computes the mean of the replicas' gradients"
 
 
+def test_a_latch_wakes_every_waiter_once_set_however_often_it_is_set() -> None:
+    import threading
+
+    from fastt.runtime.local import Latch
+
+    def waiter(latch: Latch, woke: list) -> None:
+        latch.wait()
+        woke.append(1)
+
+    for _ in range(20):
+        latch, woke = Latch(), []
+        assert not latch.is_set()
+        waiters = [threading.Thread(target=waiter, args=(latch, woke)) for _ in range(6)]
+        for w in waiters:
+            w.start()
+        time.sleep(0.002)
+        assert not woke and not latch.is_set()
+        setters = [threading.Thread(target=latch.set) for _ in range(3)]  # a finished op and a failure, at once
+        for t in setters:
+            t.start()
+        for t in setters + waiters:
+            t.join(timeout=5)
+        assert len(woke) == 6 and latch.is_set()
+        latch.wait()  # set: returns at once
+
+
 def test_split_ops_run_exactly() -> None:
     ref, ours = pair("alexnet")
     g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)

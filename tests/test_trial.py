@@ -17,7 +17,7 @@ from fastt.plan.common import strategy_from
 from fastt.report import format_run
 from fastt.runtime import parallelize
 from fastt.runtime.reference import eager_reference_step, eager_step, take_state
-from fastt.runtime.trial import TRIAL_STEPS, restored
+from fastt.runtime.trial import ROUNDS, TRIAL_STEPS, restored
 from fastt.strategy import Strategy
 
 BATCH, DEPTH = 64, 16
@@ -83,7 +83,7 @@ def test_a_plan_that_measures_slower_than_dp_is_rolled_back_and_says_so() -> Non
     model, opt, inputs = make()
     step = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2")
     t = step.trial
-    assert t is not None and t.steps == TRIAL_STEPS
+    assert t is not None and t.steps in range(TRIAL_STEPS, TRIAL_STEPS * ROUNDS + 1, TRIAL_STEPS)
     assert t.kept == step.strategy.planner and t.dp_s is not None and t.one_device_s is not None
     fastest = min(("fastt", t.fastt_plan_s), ("dp", t.dp_s), ("single", t.one_device_s), key=lambda x: x[1])
     assert t.kept == fastest[0] != "fastt"
@@ -169,9 +169,31 @@ def test_fastt_run_says_which_plan_the_trial_kept() -> None:
     row = {"planner": "fastt", "measured_iteration_s": 0.13, "simulated_iteration_s": 0.12, "error": -0.08,
            "setup_s": 4.2, "trial": {"fastt_plan_s": 0.146, "dp_s": 0.13, "steps": 3, "kept": "dp"}}
     text = format_run({"model": "mlp", "devices": "cpu:2", "steps": 6, "results": [row], "max_param_rel_diff": None})
-    assert "trial: fastt's plan 146.0 ms, dp 130.0 ms a step (median of 3): kept dp" in text
+    assert "trial: fastt's plan 146.0 ms, dp 130.0 ms a step (3 steps each): kept dp" in text
     assert "setup 4.2 s" in text
     row["trial"] = {"fastt_plan_s": 0.146, "dp_s": None, "steps": 3, "kept": "single", "one_device_s": 0.1}
     text = format_run({"model": "mlp", "devices": "cpu:2", "steps": 6, "results": [row], "max_param_rel_diff": None})
-    assert ("trial: fastt's plan 146.0 ms, one device on every core 100.0 ms a step (median of 3): kept one device "
+    assert ("trial: fastt's plan 146.0 ms, one device on every core 100.0 ms a step (3 steps each): kept one device "
             "on every core") in text
+
+
+@pytest.mark.parametrize(("rounds", "kept"), [
+    ([[1.0, 2.0]], "first"),  # clear at once: one round
+    ([[1.0, 1.1], [1.3, 1.0]], "second"),  # close, then clear: the means of both rounds decide (1.15, 1.05)
+    ([[1.0, 1.05], [1.0, 1.1], [1.1, 1.0], [9.0, 0.0]], "first"),  # close every time: ROUNDS rounds, no more
+])
+def test_a_close_race_runs_again_and_the_means_of_its_rounds_decide(monkeypatch, rounds, kept) -> None:
+    from fastt.runtime import trial
+
+    assert ROUNDS == 3
+    given = iter(rounds)
+    monkeypatch.setattr(trial, "trial_times", lambda contenders, batch, steps, clock: next(given))
+    model, opt, inputs = make()
+    first = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", "dp", trial=False)
+    second = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", "single", trial=False)
+    got = trial.raced(first, lambda dp: second, inputs, 3, alone=lambda: second)
+    used = rounds[:min(len(rounds), ROUNDS)]
+    assert got is (first if kept == "first" else second)
+    assert got.trial.steps == 3 * len(used) and next(given, None) == (rounds[3] if len(rounds) > 3 else None)
+    assert got.trial.fastt_plan_s == pytest.approx(sum(r[0] for r in used) / len(used))
+    assert got.trial.one_device_s == pytest.approx(sum(r[1] for r in used) / len(used))

@@ -158,7 +158,7 @@ def format_run(out: dict) -> str:
                       if t.get(k) is not None]
             kept = "one device on every core" if t["kept"] == "single" else t["kept"]
             lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, "
-                         f"{', '.join(rivals)} a step (median of {t['steps']}): kept {kept} (its setup time "
+                         f"{', '.join(rivals)} a step ({t['steps']} steps each): kept {kept} (its setup time "
                          "includes the trial)")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:

@@ -63,7 +63,7 @@ class _Run:
         self.reducing = [0.0] * len(programs.devices)
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
         # One event per op some device waits for: a waiter wakes only for its op (or an error: all are set).
-        self.events = {op: threading.Event() for op in programs.signals} if self.signalled else {}
+        self.events = {op: Latch() for op in programs.signals} if self.signalled else {}
         self.lock = threading.Lock()
         self.claimed: set[int] = set()  # allreduces some device has started
         # gradient -> each replica's own, as the first allreduce of it found them
@@ -392,6 +392,30 @@ class _Run:
                 return
             if not ready or not self.run_segment(seg, d):
                 return
+
+
+class Latch:
+    """A one-shot `threading.Event` (set, is_set, wait) on one bare lock, held until set: a step makes one per
+    op some device waits for, and an Event (a Condition over a lock) cost 4 µs to make, 1.5 ms a step for
+    resnet50 under DP at test size (377 of them). A lock may be released by any thread; a second `set`, or one
+    while a waiter briefly holds the lock, finds it released and does nothing."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # set already
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self) -> None:
+        self._lock.acquire()
+        self.set()
 
 
 def written(seg: Segment) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ deciding.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -30,12 +31,17 @@ if TYPE_CHECKING:
 
 S = TypeVar("S", bound="PlacedStep")
 TRIAL_STEPS = 3  # steps each plan's median is of (after one warm-up step)
+# A race whose two fastest medians are within CLOSE of each other runs again, up to ROUNDS rounds in all; each
+# plan's time is then the mean of its rounds' medians. On this 2-core VM one round's medians of 3 varied by
+# 10-30% between runs, and a single round kept dp at 158.5 ms against one device's 163.1 ms where one device
+# then ran in 97-110 ms (fastt demo, transformer).
+CLOSE, ROUNDS = 0.15, 3
 
 
 class Trial(NamedTuple):
-    """fastt's plan against its rivals before training: each one's median seconds a step (None for a rival not
-    raced), how many steps each median is of, and the planner of the plan kept (`fastt`, `dp`, or `single`:
-    one device with every core)."""
+    """fastt's plan against its rivals before training: each one's seconds a step (the mean of its rounds'
+    medians; None for a rival not raced), how many timed steps each ran, and the planner of the plan kept
+    (`fastt`, `dp`, or `single`: one device with every core)."""
 
     fastt_plan_s: float
     dp_s: float | None
@@ -130,8 +136,9 @@ def raced(step: S, place_dp: Callable[[Strategy], S], batch: Sequence[torch.Tens
           alone: Callable[[], S] | None = None) -> S:
     """`step` (the `fastt` planner's plan), or the rival that measured faster over `steps` steps
     (`trial_times`): the step `place_dp(dp)` of data parallelism (`dp_rival`), and `alone()`, one device with
-    every core, where given. The one kept has the `Trial`; `step` is returned as it is where there is no rival
-    or no steps, and wins ties. `agree` makes the ranks of a process group decide alike (rank 0's times)."""
+    every core, where given. A close race runs again (`CLOSE`, `ROUNDS`). The one kept has the `Trial`; `step`
+    is returned as it is where there is no rival or no steps, and wins ties. `agree` makes the ranks of a
+    process group decide alike (rank 0's times), so they run as many rounds."""
     if not steps:
         return step
     dp = dp_rival(step)
@@ -139,8 +146,17 @@ def raced(step: S, place_dp: Callable[[Strategy], S], batch: Sequence[torch.Tens
     if not rivals:
         return step
     contenders = [step, *rivals]
-    times = agree(trial_times(contenders, batch, steps, clock))
+    rounds = [agree(trial_times(contenders, batch, steps, clock))]
+    while len(rounds) < ROUNDS and close(rounds[-1]):
+        rounds.append(agree(trial_times(contenders, batch, steps, clock)))
+    times = [statistics.mean(t) for t in zip(*rounds)]
     kept = contenders[min(range(len(times)), key=lambda k: (times[k], k))]
-    kept.trial = Trial(times[0], times[1] if dp is not None else None, steps, kept.strategy.planner,
-                       times[-1] if alone is not None else None)
+    kept.trial = Trial(times[0], times[1] if dp is not None else None, steps * len(rounds),
+                       kept.strategy.planner, times[-1] if alone is not None else None)
     return kept
+
+
+def close(times: Sequence[float]) -> bool:
+    """Whether the two fastest of `times` are within `CLOSE` of each other."""
+    first, second = sorted(times)[:2]
+    return second < first * (1 + CLOSE)
