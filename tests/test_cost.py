@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -189,6 +190,24 @@ def test_calibrate_cpu() -> None:
     assert [lk.name for lk in after.links] == [lk.name for lk in before.links]
     assert all(lk.bandwidth > 0 and lk.latency >= 0 for lk in after.links)
     assert any(lk.bandwidth != CPU_COPY_BANDWIDTH for lk in after.links)  # refit, not the nominal value
+    # the allreduce is the runtime's own mean of the replicas' gradients, fitted: it costs per byte
+    latency, per_byte, per_tensor = after.gather
+    assert latency >= 0 and per_tensor >= 0 and 1e-12 < per_byte < 1e-8
+    assert calibrate_cpu(cluster("cpu:1")).gather is None
+
+
+def test_the_local_allreduce_is_simulated_at_its_fitted_cost() -> None:
+    from fastt.api import capture
+    from fastt.plan.named import plan
+    from fastt.simulate import simulate_plan
+
+    w = zoo.get("mlp", "test")
+    g = capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
+    cl = replace(calibrate_cpu(cluster("cpu:2")), gather=(1e-4, 1e-9, 1e-5))
+    tl = simulate_plan(g, plan(g, cl, "dp"), cl)
+    assert tl.collectives
+    for c in tl.collectives:
+        assert c.end - c.start == pytest.approx(1e-4 + 1e-9 * c.nbytes + 1e-5 * len(c.ops))
 
 
 def test_calibrate_cpu_reads_a_dip_in_copy_times_as_noise(monkeypatch: pytest.MonkeyPatch) -> None:

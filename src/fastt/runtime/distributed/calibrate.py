@@ -10,12 +10,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...cluster import Cluster, Device, Link, cpu_cluster, cuda_cluster
-from ...cost import calibrate_cpu, fit_transfers
+from ...cost import calibrate_cpu, fit_gather, fit_transfers
 from .faults import alone_on_rank0
 from .groups import Direction, directions, reducers
 from .packing import Leaf, pack, packed_size, unpack
@@ -103,16 +102,6 @@ def measure_gather(group: dist.ProcessGroup, device: torch.device,
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
     return points, times
-
-
-def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> tuple[float, float, float]:
-    """Least squares of time = a + b·bytes + c·tensors: (a, b, c), each ≥ 0. Absolute errors: the megabytes
-    that gradients come in are what matter, and the cost per byte of small exchanges (from cache) is lower."""
-    secs = np.asarray(seconds, dtype=float)
-    a_mat = np.array([(1.0, b, k) for b, k in points], dtype=float)
-    coef, *_ = np.linalg.lstsq(a_mat, secs, rcond=None)
-    a, b, c = (max(float(x), 0.0) for x in coef)
-    return a, b, c
 
 
 def rank_cluster(device: torch.device | None = None) -> Cluster:
