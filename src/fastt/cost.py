@@ -166,11 +166,18 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
                 if r:  # the first run warms up the allocator and lazy init
                     readings.append(_elapsed(ticks))
 
-    workers = [threading.Thread(target=worker) for _ in range(concurrent)]
-    for w in tqdm(workers, desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
-        w.start()
-    for w in workers:
-        w.join()
+    if concurrent == 1:  # on this thread, as the local runtime runs a one-device plan (`local.run_step`)
+        old = torch.get_num_threads()
+        try:
+            worker()
+        finally:
+            torch.set_num_threads(old)
+    else:
+        workers = [threading.Thread(target=worker) for _ in range(concurrent)]
+        for w in tqdm(workers, desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
+            w.start()
+        for w in workers:
+            w.join()
     samples: dict[str, list[float]] = {}
     for seconds in readings:
         elapsed = dict(zip(names, seconds))
