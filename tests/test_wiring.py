@@ -18,7 +18,7 @@ from test_runtime import one_thread_per_device, pair, random_topological_rank  #
 
 import fastt
 from fastt.cluster import cluster
-from fastt.cost import MeasuredCosts
+from fastt.cost import MeasuredCosts, replica_mean
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import (
@@ -33,7 +33,6 @@ from fastt.runtime.distributed import (
     unpack,
     wire,
 )
-from fastt.runtime.local import replica_mean
 from fastt.runtime.programs import place, rows
 
 

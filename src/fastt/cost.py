@@ -277,16 +277,25 @@ def fit_gather(points: Sequence[tuple[int, int]], seconds: Sequence[float]) -> t
     return a, b, c
 
 
+def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP
+    does: how the local runtime averages gradients (`runtime.local`), kept here for `measure_means` to
+    time."""
+    total = grads[0]
+    for other in grads[1:]:
+        total = torch._foreach_add(total, other)
+    torch._foreach_div_(total, float(len(grads)))
+    return list(total)
+
+
 MEAN_SHAPES = ((1, 2**10), (16, 2**10), (1, 2**16), (16, 2**14), (1, 2**20), (16, 2**16), (4, 2**20))
 
 
 def measure_means(threads: int = 1, shapes: Sequence[tuple[int, int]] = MEAN_SHAPES,
                   repeats: int = 5) -> tuple[list[tuple[int, int]], list[float]]:
     """Seconds the local runtime takes to average two replicas' `k` tensors of `f` floats each (`shapes`:
-    (k, f)), with its own mean (`runtime.local.replica_mean`), the fastest of `repeats` (noise only adds
+    (k, f)), with its own mean (`replica_mean`), the fastest of `repeats` (noise only adds
     time): ([(bytes, tensors)], seconds)."""
-    from .runtime.local import replica_mean  # the runtime imports this module
-
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     points, times = [], []

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
+from ..cost import replica_mean
 from ..errors import FasttError
 from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args, part_names
 from ..shard import CUTS
@@ -424,16 +425,6 @@ def written(seg: Segment) -> tuple[str, ...]:
     if t.kind == SHARD:
         return tuple(n + t.tag for n in t.nodes)
     return part_names(t) if t.kind == PART else (t.head, *t.nodes)
-
-
-def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP
-    does."""
-    total = grads[0]
-    for other in grads[1:]:
-        total = torch._foreach_add(total, other)
-    torch._foreach_div_(total, float(len(grads)))
-    return list(total)
 
 
 def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],

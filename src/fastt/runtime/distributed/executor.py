@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
+from ...cost import replica_mean
 from ...lower import Lowered
-from ..local import _Run, replica_mean
+from ..local import _Run
 from ..oom import Budget
 from ..programs import Programs, rows
 from .collectives import ReduceCall, RowGather, Shards
