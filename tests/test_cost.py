@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastt
 import fastt.cost
@@ -27,19 +29,46 @@ def matmul(m: int, k: int, n: int) -> Op:
               signature="mm")
 
 
-def test_roofline_compute_bound_matmul() -> None:
-    op = matmul(4096, 4096, 4096)
+def test_a_gpu_kernel_runs_at_calculons_measured_fraction_of_peak() -> None:
+    op = matmul(4096, 4096, 4096)  # 137 GFLOP, 201 MB: past Calculon's last points (128 GFLOP, 100 MB)
     flops, nbytes = 2 * 4096**3, 4 * 3 * 4096**2
     assert V100.flops == 15.7e12 and V100.mem_bandwidth == 900e9 and V100.op_overhead_s == 5e-6
+    assert V100.kernel_efficiency
+    # Compute at 95% of peak, then memory at 90% of bandwidth, one after the other.
+    want = 5e-6 + flops / (0.95 * 15.7e12) + nbytes / (0.90 * 900e9)
+    assert roofline_time(op, V100) == pytest.approx(want, rel=1e-12)
+
+
+def test_gpu_efficiency_is_interpolated_between_the_points_in_log_size() -> None:
+    assert fastt.cost.efficiency(16e9, fastt.cost.MATMUL_EFFICIENCY) == pytest.approx(0.90)
+    assert fastt.cost.efficiency(4e9, fastt.cost.MATMUL_EFFICIENCY) == pytest.approx(0.75)  # halfway: 1e9 .. 16e9
+    assert fastt.cost.efficiency(1e3, fastt.cost.MATMUL_EFFICIENCY) == pytest.approx(0.60)  # held below 1 GFLOP
+    assert fastt.cost.efficiency(10**6.5, fastt.cost.MEMORY_EFFICIENCY) == pytest.approx(0.675)
+    op = Op("add", COMPUTE, "aten.add.Tensor", io_bytes=10_000_000)
+    assert roofline_time(op, V100) == pytest.approx(5e-6 + 1e7 / (0.75 * 900e9), rel=1e-12)
+
+
+def test_a_device_without_kernel_efficiency_keeps_the_plain_roofline() -> None:
+    dev = replace(V100, kernel_efficiency=False)
+    op = matmul(4096, 4096, 4096)
+    flops, nbytes = 2 * 4096**3, 4 * 3 * 4096**2
     assert flops / 15.7e12 > nbytes / 900e9
-    assert roofline_time(op, V100) == pytest.approx(5e-6 + flops / 15.7e12, rel=1e-12)
-
-
-def test_roofline_memory_bound_matmul() -> None:
-    op = matmul(65536, 4, 4)  # a skinny matmul streams far more bytes than it computes
+    assert roofline_time(op, dev) == pytest.approx(5e-6 + flops / 15.7e12, rel=1e-12)
+    skinny = matmul(65536, 4, 4)  # a skinny matmul streams far more bytes than it computes
     flops, nbytes = 2 * 65536 * 4 * 4, 4 * (65536 * 4 + 16 + 65536 * 4)
     assert nbytes / 900e9 > flops / 15.7e12
-    assert roofline_time(op, V100) == pytest.approx(5e-6 + nbytes / 900e9, rel=1e-12)
+    assert roofline_time(skinny, dev) == pytest.approx(5e-6 + nbytes / 900e9, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e3, 1e13), st.floats(1e2, 1e10), st.integers(2, 16))
+def test_on_a_gpu_a_larger_op_never_costs_less_and_parts_never_less_than_the_whole(
+        flops: float, nbytes: float, parts: int) -> None:
+    """What `simulate.lower_bound` relies on: an op's parts together cost at least the op."""
+    def t(f: float, b: float) -> float:
+        return roofline_time(Op("mm", COMPUTE, "aten.mm.default", flops=f, io_bytes=round(b)), V100)
+    assert t(flops * 1.5, nbytes) >= t(flops, nbytes) and t(flops, nbytes * 1.5) >= t(flops, nbytes)
+    assert parts * t(flops / parts, nbytes / parts) >= t(flops, nbytes) * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("kind", [PARAM, STATE, BUFFER, INPUT, ALLREDUCE])

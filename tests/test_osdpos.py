@@ -65,7 +65,7 @@ def test_fastt_tries_the_expert_pipelines_cut_where_stages_outnumber_its_micro_b
 def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
     """No budget: the starting plan, no split searched (here the search would keep one), in the time its seeds
     take (a fraction of a second; the bound is generous for a loaded machine)."""
-    cl = fastt.cluster("2xV100")
+    cl = fastt.cluster("2xV100-pcie")
     assert os_dpos(alexnet, cl).splits, "with the default budget a split of alexnet pays on 2 GPUs"
     t0 = time.perf_counter()
     s = os_dpos(alexnet, cl, budget_s=0.0)
@@ -76,9 +76,9 @@ def test_budget_returns_a_plan_at_once(alexnet: fastt.OpGraph) -> None:
 
 def test_plan_passes_a_zero_budget_on(alexnet: fastt.OpGraph) -> None:
     """A zero budget is a budget (it once read as none given, and searched for the default 6 s)."""
-    assert os_dpos(alexnet, fastt.cluster("2xV100")).splits
+    assert os_dpos(alexnet, fastt.cluster("2xV100-pcie")).splits
     for planner in ("os-dpos", "fastt"):
-        assert not fastt.plan(alexnet, "2xV100", planner, budget_s=0.0).splits, planner
+        assert not fastt.plan(alexnet, "2xV100-pcie", planner, budget_s=0.0).splits, planner
 
 
 @settings(max_examples=60, deadline=None)

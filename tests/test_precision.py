@@ -8,7 +8,7 @@ import fastt
 from fastt import zoo
 from fastt.capture import capture_step, fused_kernels
 from fastt.cli import main
-from fastt.cost import op_times
+from fastt.cost import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, efficiency, op_times
 from fastt.errors import FasttError
 from fastt.runtime import reference
 
@@ -95,10 +95,12 @@ def test_matmuls_are_costed_at_the_tensor_core_peak_and_elementwise_at_bandwidth
         for i, op in enumerate(g.ops):
             if op.flops and op.target.startswith("aten.mm"):
                 peak = 312e12 if dt is torch.bfloat16 else 19.5e12  # A100 data sheet: bf16 dense, fp32
-                want = dev.op_overhead_s + max(op.flops / peak, op.io_bytes / dev.mem_bandwidth)
+                want = dev.op_overhead_s + (op.flops / peak / efficiency(op.flops, MATMUL_EFFICIENCY)
+                                            + op.io_bytes / dev.mem_bandwidth / efficiency(op.io_bytes, MEMORY_EFFICIENCY))
                 assert t[i] == pytest.approx(want)
             elif op.kind == "compute" and not op.flops:
-                assert t[i] == pytest.approx(dev.op_overhead_s + op.io_bytes / dev.mem_bandwidth)
+                want = dev.op_overhead_s + op.io_bytes / dev.mem_bandwidth / efficiency(op.io_bytes, MEMORY_EFFICIENCY)
+                assert t[i] == pytest.approx(want)
 
 
 def test_bf16_on_a_v100_is_refused_naming_fp16(capsys) -> None:

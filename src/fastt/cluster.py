@@ -29,7 +29,9 @@ from fastt.errors import FasttError
 @dataclass(frozen=True)
 class Device:
     """One compute device. `flops` is peak FP32 FLOP/s, `mem_bandwidth` bytes/s of its memory; the tensor
-    cores' dense peaks for matmuls and convolutions in FP16, BF16 and TF32 (0: none, see `peak`)."""
+    cores' dense peaks for matmuls and convolutions in FP16, BF16 and TF32 (0: none, see `peak`).
+    `kernel_efficiency`: its kernels reach only a size-dependent fraction of those peaks, as a GPU's do
+    (`fastt.cost.roofline_time`); False for a device whose speeds were fitted on measured ops (a CPU)."""
 
     name: str
     kind: str
@@ -41,6 +43,7 @@ class Device:
     fp16_flops: float = 0.0
     bf16_flops: float = 0.0
     tf32_flops: float = 0.0
+    kernel_efficiency: bool = False
 
     def peak(self, dtype: str, conv: bool) -> float:
         """Peak FLOP/s of a matmul or convolution (`conv`) computed in `dtype` ("float32", "bfloat16", ...).
@@ -367,7 +370,7 @@ def gpu_cluster(gpu: str, n: int, nodes: int = 1, link: str = "nvlink", nic: flo
     check_count(nodes, "node", n * nodes)
     multi = nodes > 1
     devices = tuple(Device(f"{p.name}:{k}.{i}" if multi else f"{p.name}:{i}", p.name, p.memory_bytes, p.flops,
-                           p.mem_bandwidth, k, GPU_OP_OVERHEAD, *_tensor_peaks(p))
+                           p.mem_bandwidth, k, GPU_OP_OVERHEAD, *_tensor_peaks(p), kernel_efficiency=True)
                     for k in range(nodes) for i in range(n))
     links: list[Link] = []
     routes: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -427,7 +430,8 @@ def cuda_cluster(ids: Sequence[int] | None = None) -> Cluster:
     presets = {i: preset_for(props[i].name, props[i].total_memory) or _UNKNOWN_GPU for i in gpus}
     names = [f"cuda:{i}" + (f"/{ids[:k].count(i)}" if ids[:k].count(i) else "") for k, i in enumerate(ids)]
     devices = tuple(Device(name, "cuda", int(props[i].total_memory) // ids.count(i), presets[i].flops,
-                           presets[i].mem_bandwidth, 0, GPU_OP_OVERHEAD, *_tensor_peaks(presets[i]))
+                           presets[i].mem_bandwidth, 0, GPU_OP_OVERHEAD, *_tensor_peaks(presets[i]),
+                           kernel_efficiency=True)
                     for name, i in zip(names, ids))
     peer = all(torch.cuda.can_device_access_peer(a, b) for a, b in itertools.permutations(gpus, 2))
     slowest = min(presets.values(), key=lambda p: (p.nvlink, p.pcie))

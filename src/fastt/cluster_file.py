@@ -30,7 +30,7 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     """A Cluster from its JSON form: {"name", "devices": [...], "links": [{..., "pairs"}], "routes"?}.
 
     Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?,
-    "fp16_flops"?, "bf16_flops"?, "tf32_flops"?}. Each
+    "fp16_flops"?, "bf16_flops"?, "tf32_flops"?, "kernel_efficiency"? (true/false, see Device)}. Each
     link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link alone;
     the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every
     ordered pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per
@@ -80,12 +80,15 @@ def _device(d: Mapping[str, Any], i: int, fail: Callable[[str], FasttError]) -> 
     for key in ("name", "kind"):
         if key not in d:
             raise fail(f"{what}: missing field {key!r}")
+    efficiency = d.get("kernel_efficiency", False)
+    if not isinstance(efficiency, bool):
+        raise fail(f"{what}: kernel_efficiency must be true or false, got {efficiency!r}")
     return Device(str(d["name"]), str(d["kind"]), _number(d, "memory_bytes", what, fail, integer=True),
                   _number(d, "flops", what, fail), _number(d, "mem_bandwidth", what, fail),
                   _number(d, "node", what, fail, default=0, positive=False, integer=True),
                   _number(d, "op_overhead_s", what, fail, default=0.0, positive=False),
                   *(_number(d, f"{t}_flops", what, fail, default=0.0, positive=False)
-                    for t in ("fp16", "bf16", "tf32")))
+                    for t in ("fp16", "bf16", "tf32")), kernel_efficiency=efficiency)
 
 
 def _link(lk: Mapping[str, Any], k: int, fail: Callable[[str], FasttError]) -> Link:

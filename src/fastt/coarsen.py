@@ -86,6 +86,20 @@ def _flops(node: Node) -> float:
     return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def _second_pass_bytes(node: Node) -> int:
+    """Bytes a training-mode batch norm reads a second time. Its statistics reduce over the batch and every
+    pixel, which no kernel holds on chip at training sizes, so the input is read once for them and again to
+    normalize (PyTorch's CUDA and CPU kernels are two such passes: `batch_norm_collect_statistics_kernel`
+    then `batch_norm_transform_input_kernel` in aten/src/ATen/native/cuda/Normalization.cuh); the backward
+    reads the output's gradient and the input once for its two reductions and again for the input's
+    gradient."""
+    if node.target is aten.native_batch_norm.default and len(node.args) > 5 and node.args[5]:
+        return nbytes(node.args[0].meta.get("val"))
+    if node.target is aten.native_batch_norm_backward.default and len(node.args) > 7 and node.args[7]:
+        return nbytes(node.args[0].meta.get("val")) + nbytes(node.args[1].meta.get("val"))
+    return 0
+
+
 def _compute_dtype(node: Node) -> str:
     """The dtype a node computes in: its first floating-point tensor argument's ("float32", "bfloat16")."""
     for a in node.all_input_nodes:
@@ -239,7 +253,8 @@ def to_opgraph(step: Step, name: str = "step") -> OpGraph:
                 f = _flops(n)
                 flops += f
                 heaviest = max(heaviest, (f, _compute_dtype(n)))
-                io += nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
+                io += (nbytes(n.meta.get("val")) + sum(nbytes(a.meta.get("val")) for a in n.all_input_nodes)
+                       + _second_pass_bytes(n))
                 shapes.append(_shape_key(n))
         temp, out_parts = 0, ()
         if k == UPDATE:  # the new parameter and state are fresh tensors, the old ones kept to the step's end

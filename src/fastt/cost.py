@@ -26,13 +26,37 @@ from .cluster import Cluster, Device, Link
 from .errors import FasttError
 from .graph import ALLREDUCE, INPUT, RESIDENT, Op, OpGraph, rebatch
 
+# The fraction of its peak a GPU kernel reaches, by its size: (size, fraction) points of Calculon's A100
+# system file (Isaev et al., "Calculon: A Methodology and Tool for High-Level Co-Design of Systems and Large
+# Language Models", SC'23; github.com/calculon-ai/calculon, systems/a100_80g.json), set there from measured
+# A100 kernels and validated against Megatron-LM on Selene: a matmul or convolution by its FLOPs, memory
+# traffic by its bytes. Calculon steps between the points; here the fraction is interpolated in log(size), so
+# that a smaller op never costs more than a larger one, and held at the smallest point below it (Calculon's
+# floor for tiny ops, 0.1 and 0.3, stands for the launch cost that `Device.op_overhead_s` charges here). As in
+# that file ("no_overlap"), an op's compute and its memory traffic are charged one after the other. The points
+# were measured on A100s; the other presets take them as they are.
+MATMUL_EFFICIENCY = ((1e9, 0.60), (16e9, 0.90), (128e9, 0.95))
+MEMORY_EFFICIENCY = ((1e6, 0.60), (10e6, 0.75), (100e6, 0.90))
+
+
+def efficiency(size: np.ndarray | float, points: Sequence[tuple[float, float]]) -> np.ndarray:
+    """The fraction of peak reached at `size` (FLOPs or bytes), interpolated in log(size) between `points`."""
+    return np.interp(np.log(np.maximum(size, 1.0)), [np.log(x) for x, _ in points], [f for _, f in points])
+
 
 def roofline_time(op: Op, dev: Device) -> float:
-    """Seconds for op on dev: launch overhead + the slower of its compute (at the peak of its dtype,
-    `Device.peak`) and its memory traffic at peak."""
+    """Seconds for op on dev: launch overhead + its compute (at the peak of its dtype, `Device.peak`) and its
+    memory traffic (at the memory bandwidth). On a device with `kernel_efficiency` (a GPU) each runs at the
+    fraction of peak its size reaches (`MATMUL_EFFICIENCY`, `MEMORY_EFFICIENCY`) and the two add up; on
+    others the slower of the two at peak is the op's time (the plain roofline)."""
     if op.kind in RESIDENT or op.kind in (INPUT, ALLREDUCE):
         return 0.0
-    return dev.op_overhead_s + max(op.flops / dev.peak(op.dtype, _conv(op)), op.io_bytes / dev.mem_bandwidth)
+    compute = op.flops / dev.peak(op.dtype, _conv(op))
+    memory = op.io_bytes / dev.mem_bandwidth
+    if dev.kernel_efficiency:
+        return float(dev.op_overhead_s + compute / efficiency(op.flops, MATMUL_EFFICIENCY)
+                     + memory / efficiency(op.io_bytes, MEMORY_EFFICIENCY))
+    return dev.op_overhead_s + max(compute, memory)
 
 
 def _conv(op: Op) -> bool:
@@ -77,7 +101,7 @@ class MeasuredCosts:
 
 
 def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = None) -> np.ndarray:
-    """times[i, d]: seconds op i takes on device d (the roofline estimate of `roofline_time`, vectorized).
+    """times[i, d]: seconds op i takes on device d (the estimate of `roofline_time`, vectorized).
 
     Measured times are used for devices of the measured kind; an op never measured (another shape) falls back
     to the roofline estimate for that device.
@@ -93,7 +117,12 @@ def op_times(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None = 
     peak = rows[[kinds.index((op.dtype, _conv(op))) for op in graph.ops]]
     bw = np.array([d.mem_bandwidth for d in devs])[None, :]
     overhead = np.array([d.op_overhead_s for d in devs])[None, :]
-    t = overhead + np.maximum(flops / peak, io / bw)
+    compute, memory = flops / peak, io / bw
+    t = overhead + np.maximum(compute, memory)
+    gpu = np.array([d.kernel_efficiency for d in devs])
+    if gpu.any():
+        slowed = compute / efficiency(flops, MATMUL_EFFICIENCY) + memory / efficiency(io, MEMORY_EFFICIENCY)
+        t[:, gpu] = (overhead + slowed)[:, gpu]
     t[free] = 0.0
     if measured is not None:
         cols = [d for d, dev in enumerate(devs) if dev.kind == measured.kind]
