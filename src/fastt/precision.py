@@ -10,9 +10,12 @@ since autocast casts copies and autograd returns each gradient in its parameter'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from .errors import FasttError
 
@@ -63,9 +66,48 @@ def device_type(tensors: Sequence[torch.Tensor]) -> str:
 
 @contextlib.contextmanager
 def autocast(dtype: torch.dtype | None, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """`torch.autocast` in `dtype` on the device of `tensors`; nothing when `dtype` is None."""
+    """`torch.autocast` in `dtype` on the device of `tensors`, for a forward that `torch.func.grad`
+    differentiates (`_at_the_op`); nothing when `dtype` is None."""
     if dtype is None:
         yield
         return
-    with torch.autocast(device_type(tensors), dtype=dtype):
+    device = device_type(tensors)
+    with torch.autocast(device, dtype=dtype), _at_the_op(device, dtype):
         yield
+
+
+@contextlib.contextmanager
+def _at_the_op(device: str, low: torch.dtype) -> Iterator[None]:
+    """Composite ops that autocast casts, run as autocast's own kernel runs them in eager: the floating inputs
+    cast to the op's autocast dtype, the inside without autocast.
+
+    Under `torch.func.grad` a composite op is decomposed above autocast, so autocast casts the ops inside it
+    once more. Scaled dot-product attention's math path (what eager runs on CPU with dropout) upcasts its
+    bf16 inputs and multiplies in fp32; cast again, it multiplies in bf16, and the backward of its dropout's
+    product then meets an fp32 operand ("expected scalar type BFloat16 but found Float").
+    binary_cross_entropy_with_logits is on autocast's fp32 list; decomposed, it would compute in bf16.
+    Neither a torch function mode (off inside a Python function such as `F.multi_head_attention_forward`)
+    nor a kernel at the Autocast key (functorch restores autocast for every op inside) can do this, so the
+    functions are swapped in `torch.nn.functional` while the forward is traced. Outside a functorch
+    transform the swapped function computes what autocast's kernel does, so another thread sees no change."""
+    policy = {"scaled_dot_product_attention": low, "binary_cross_entropy_with_logits": torch.float32}
+    own = {name: getattr(F, name) for name in policy}
+
+    def at_the_op(name: str) -> Callable:
+        def run(*args, **kwargs):
+            if not torch.is_autocast_enabled(device):
+                return own[name](*args, **kwargs)
+            cast = (lambda t: t.to(policy[name]) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t)
+            args, kwargs = pytree.tree_map(cast, (args, kwargs))
+            with torch.autocast(device, enabled=False):
+                return own[name](*args, **kwargs)
+        return functools.wraps(own[name])(run)
+
+    for name in policy:
+        setattr(F, name, at_the_op(name))
+    try:
+        yield
+    finally:
+        for name, fn in own.items():
+            setattr(F, name, fn)
