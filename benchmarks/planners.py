@@ -183,8 +183,8 @@ def write_doc(doc: Path, text: str, precision: str) -> None:
         key = f"planners-{precision}"
         body = text.replace("# Planner benchmarks", f"## Planner benchmarks in {precision}", 1)
         body = body.replace("## Reading the table", "### Reading the table", 1)
-        body = body.replace("`out/planners.json`", f"`out/planners-{precision}.json` (a reduced run: not every "
-                            "model and cluster of the fp32 table)", 1)
+        left_out = " (the V100 clusters are left out: no bf16 tensor cores)" if precision == "bf16" else ""
+        body = body.replace("`out/planners.json`", f"`out/planners-{precision}.json`{left_out}", 1)
         blocks[key] = f"<!-- {key} -->\n{body.rstrip()}\n<!-- /{key} -->"
         text = old[:old.index("<!-- ")].rstrip("\n") + "\n" if "<!-- " in old else old
     doc.write_text(text.rstrip("\n") + "\n\n" + "\n\n".join(blocks.values()) + "\n")

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from fastt import guards, precision, zoo
-from fastt.capture import hyper_values
+from fastt.capture import fused_kernels, hyper_values
 from fastt.runtime import parallelize
 from fastt.runtime.bench import run_planners
 from fastt.runtime.memory import measured_peaks
@@ -83,7 +83,7 @@ def accuracy(models: list[str], steps: int, precisions: tuple[str, ...] = ("fp32
     for name in models:
         for prec in precisions:
             print(f"accuracy: {name} {prec}", file=sys.stderr)
-            with torch.backends.mkldnn.flags(enabled=name not in RECURRENT):
+            with fused_kernels(name not in RECURRENT):
                 # fastt's own plan (no trial against DP): how well each planner's plan is simulated.
                 out = run_planners(make(name, None), "cpu:2", ["fastt", "dp", "single"], steps, check=False,
                                    trial=False, autocast=precision.dtype_of(prec))

@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_MEDIAN_ERROR = 0.5
 
 
-def bench(name: str, out: Path) -> dict:
-    """Runs benchmarks/<name>.py --small --out `out`: the summary it prints. It must leave docs/ as it was."""
+def bench(name: str, out: Path, *args: str) -> dict:
+    """Runs benchmarks/<name>.py --small --out `out` [args]: the summary it prints. It must leave docs/ as it
+    was."""
     docs = {p: p.read_bytes() for p in (ROOT / "docs").iterdir()}
-    stdout = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--small", "--out", str(out)], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
+    stdout = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--small", "--out", str(out), *args],
+                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert {p: p.read_bytes() for p in (ROOT / "docs").iterdir()} == docs, f"{name}.py --small wrote docs/"
     return json.loads(stdout.strip().splitlines()[-1])
 
@@ -135,6 +136,28 @@ def test_runtime_benchmark_small(tmp_path: Path) -> None:
     assert summary["median_overhead"] == pytest.approx(statistics.median(r["overhead"] for r in out["overhead"]))
     doc = script("runtime").render(out, "python benchmarks/runtime.py --small")
     assert all(f"| {m} | {p} |" in doc for m, p in itertools.product(models, ["fastt", "dp", "single"]))
+
+
+def test_runtime_benchmark_in_bf16_beside_fp32_small(tmp_path: Path) -> None:
+    """--precision bf16: each planner's simulated vs measured time in fp32 and in bf16 from one run; its block
+    of docs/runtime.md survives a rewrite of the rest."""
+    summary = bench("runtime", tmp_path, "--precision", "bf16")
+    rows = json.loads((tmp_path / "runtime-bf16-small.json").read_text())["accuracy"]
+    assert sorted((r["model"], r["planner"], r["precision"]) for r in rows) == sorted(
+        itertools.product(["mlp"], ["fastt", "dp", "single"], ["fp32", "bf16"]))
+    for r in rows:
+        assert positive(r["measured_s"], r["simulated_s"])
+        assert r["error"] == pytest.approx((r["simulated_s"] - r["measured_s"]) / r["measured_s"])
+    for prec in ("fp32", "bf16"):
+        median = statistics.median(abs(r["error"]) for r in rows if r["precision"] == prec)
+        assert summary[prec] == pytest.approx(median) and median < MAX_MEDIAN_ERROR, rows
+    runtime = script("runtime")
+    block = runtime.render_precision(rows, "python benchmarks/runtime.py --precision bf16")
+    assert block.startswith(runtime.BEGIN_PRECISION) and block.rstrip().endswith(runtime.END_PRECISION)
+    assert all(f"| mlp | {p} |" in block for p in ("fastt", "dp", "single"))
+    old = "# Runtime benchmarks\n\nold tables\n\n" + block
+    assert runtime.with_precision_block("# Runtime benchmarks\n\nnew tables\n", old).endswith(block)
+    assert "old tables" not in runtime.with_precision_block("# Runtime benchmarks\n\nnew tables\n", old)
 
 
 def test_distributed_benchmark_small(tmp_path: Path) -> None:
