@@ -282,6 +282,27 @@ def test_megatron_cuts_sdpa_attention_by_heads_and_trains_as_eager(spec: str) ->
     _steps_as_eager(model, opt, step, _workload("distilbert-padded"), inputs, 3)
 
 
+def test_megatron_in_bf16_cuts_what_it_cuts_in_fp32_and_trains_as_eager_autocast() -> None:
+    """Under autocast a matmul reads the weight's bf16 copy (`_to_copy`), not the weight: megatron looks past
+    that cast for its seeds and splits the cast with the weight, so DistilBERT's MLP and attention weights
+    are held in parts as in fp32, and training equals eager under the same autocast, step by step, within
+    bf16's unit (the row-parallel layers sum bf16 parts where eager's matmul accumulates in fp32)."""
+    model, loss_fn, opt, inputs = _workload("distilbert-padded")
+    held = {}
+    for dtype in (None, torch.bfloat16):
+        g = fastt.capture(model, loss_fn, opt, inputs, autocast=dtype)
+        s = get_planner("megatron")(g, CL)
+        held[dtype] = {g.ops[r].name for r in sharded_residents(graph_for(g, s))}
+    assert held[torch.bfloat16] == held[None] and len(held[None]) >= 12
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", strategy=s, autocast=torch.bfloat16)
+    ref = _workload("distilbert-padded")
+    for _ in range(3):
+        take_state(model, opt, ref[0], ref[2])
+        torch.testing.assert_close(step(*inputs), eager_step(*ref[:3], inputs, autocast=torch.bfloat16),
+                                   rtol=2**-8, atol=0)
+        assert max_param_rel_diff(ref[0], model) <= 2**-8
+
+
 def test_megatron_refuses_single_device_nodes_and_models_without_an_mlp() -> None:
     model, loss_fn, opt, inputs = _workload("transformer")
     g = fastt.capture(model, loss_fn, opt, inputs)

@@ -132,6 +132,7 @@ CASES: list[tuple[Any, Case]] = [
     (aten.baddbmm.default, lambda: ([r(N, 6, C), r(N, 6, K), r(N, K, C)], {"beta": 0.5, "alpha": 2.0})),
     (aten.baddbmm.default, lambda: ([r(C), r(N, 6, K), r(N, K, C)], {})),
     *[(op, lambda: ([r(N, C, 3)], {})) for op in _UNARY],
+    (aten._to_copy.default, lambda: ([r(N, C, 3)], {"dtype": torch.bfloat16})),  # autocast's cast
     (aten.gelu.default, lambda: ([r(N, C)], {"approximate": "tanh"})),
     (aten.sqrt.default, lambda: ([pos(N, C)], {})),
     (aten.rsqrt.default, lambda: ([pos(N, C)], {})),

@@ -191,8 +191,8 @@ RULES: dict[Any, dict[str, SplitSpec]] = {
     **{op: _elementwise() for op in (
         aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.tanh.default,
         aten.exp.default, aten.neg.default, aten.sqrt.default, aten.rsqrt.default, aten.sin.default,
-        aten.cos.default, aten.clone.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
-        aten.div.Tensor,
+        aten.cos.default, aten.clone.default, aten._to_copy.default, aten.add.Tensor, aten.sub.Tensor,
+        aten.mul.Tensor, aten.div.Tensor,
         aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Scalar,
         aten.where.self, aten.threshold_backward.default, aten.gelu_backward.default,
         aten.silu_backward.default,

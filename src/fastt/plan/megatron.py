@@ -60,6 +60,7 @@ from .dpos import schedule
 from .mixed import node_devices, ordered
 
 MATMULS = ("aten.addmm.default", "aten.mm.default")
+CAST = "aten._to_copy.default"  # autocast's copy of a weight in bf16, which the matmul then reads
 ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu.default",)  # SDPA as captured on a CPU
 
 
@@ -131,29 +132,58 @@ def _param_cuts(graph: OpGraph, splits: list[Split]) -> dict[str, set[int | None
             reader = graph.ops[r]
             if reader.kind == UPDATE:
                 continue
-            if reader.name not in split_of:
-                dims.add(None)
-                continue
-            head = nodes[reader.head]
-            sliced = slice_dims(rule(reader.target, split_of[reader.name]), fake_args(head)[0])
-            for pos, a in enumerate(head.args):
-                if isinstance(a, Node) and (a.name == op.nodes[0] or a.name in op.nodes):
-                    dims.add(_param_dim(nodes, op, a, sliced[pos]))
+            if reader.target == CAST and reader.name not in split_of:  # its readers read the weight
+                readers = [graph.ops[c] for c in graph.succs[r]]
+            else:
+                readers = [reader]
+            for reader in readers:
+                if reader.name not in split_of:
+                    dims.add(None)
+                    continue
+                head = nodes[reader.head]
+                sliced = slice_dims(rule(reader.target, split_of[reader.name]), fake_args(head)[0])
+                for pos, a in enumerate(head.args):
+                    if isinstance(a, Node) and _behind_views(a).name == op.nodes[0]:
+                        dims.add(_param_dim(nodes, op, a, sliced[pos]))
         if dims - {None}:
             out[op.name] = dims
     return out
 
 
 def _param_dim(nodes: dict[str, Node], param: object, a: Node, d: int | None) -> int | None:
-    """The parameter's dim that its view `a`'s dim d is (None where no view keeps it)."""
+    """The parameter's dim that its view `a`'s dim d is (None where no view keeps it); `a` may be a view of
+    autocast's cast of it."""
     if d is None:
         return None
+    src = a
+    while src.target in ALIAS and src.args and isinstance(src.args[0], Node):
+        src = src.args[0]
+    cast = src if str(src.target) == CAST else None
     for pd in range(len(nodes[param.nodes[0]].meta["val"].shape)):
         probe = {param.nodes[0]: pd}
         _cut_views(nodes, param.nodes[1:], probe)
+        if cast is not None and cast.args[0].name in probe:
+            probe[cast.name] = probe[cast.args[0].name]
+            _cut_views(nodes, [n.name for n in _views_of(cast)], probe)
         if probe.get(a.name) == d:
             return pd
     return None
+
+
+def _views_of(n: Node) -> list[Node]:
+    """The views of `n`, and of them, in graph order."""
+    out, todo = [], [n]
+    while todo:
+        todo += (v := [u for u in todo.pop().users if u.target in ALIAS])
+        out += v
+    return sorted(out, key=lambda u: list(n.graph.nodes).index(u))
+
+
+def _reader(graph: OpGraph, i: int) -> object:
+    """The first op that reads op `i`'s value, past autocast's cast of it."""
+    reader = graph.ops[graph.succs[i][0]]
+    j = graph.index[reader.name]
+    return graph.ops[graph.succs[j][0]] if reader.target == CAST and graph.succs[j] else reader
 
 
 def column_seeds(graph: OpGraph) -> dict[str, int]:
@@ -166,7 +196,7 @@ def column_seeds(graph: OpGraph) -> dict[str, int]:
         if op.kind != PARAM or len(nodes[op.nodes[0]].meta["val"].shape) != 2 or not graph.succs[i]:
             continue
         shape = nodes[op.nodes[0]].meta["val"].shape
-        reader = graph.ops[graph.succs[i][0]]
+        reader = _reader(graph, i)
         right = nodes[reader.head].args[-1] if reader.target in MATMULS else None
         d = _param_dim(nodes, op, right, 1) if isinstance(right, Node) else None
         if d is not None and shape[d] > shape[1 - d]:
@@ -175,8 +205,8 @@ def column_seeds(graph: OpGraph) -> dict[str, int]:
 
 
 def _behind_views(n: Node) -> Node:
-    """The node a chain of views of it ends at (`n` itself if it is no view)."""
-    while n.target in ALIAS and n.args and isinstance(n.args[0], Node):
+    """The node a chain of views of it ends at (`n` itself if it is no view), past autocast's casts."""
+    while (n.target in ALIAS or str(n.target) == CAST) and n.args and isinstance(n.args[0], Node):
         n = n.args[0]
     return n
 
