@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fastt
 from fastt import zoo
-from fastt.capture import capture_step, fused_kernels
+from fastt.capture import _read_inputs_not_their_clones, capture_step, fused_kernels
 from fastt.errors import FasttError
 from fastt.runtime import reference
 
@@ -142,3 +143,29 @@ def test_unsupported_optimizer_is_a_fastt_error() -> None:
     with pytest.raises(FasttError, match="unsupported optimizer RMSprop"):
         capture_step(m, torch.nn.functional.cross_entropy, torch.optim.RMSprop(m.parameters()),
                      (torch.randn(3, 4), torch.tensor([0, 1, 0])))
+
+
+def test_the_update_reads_the_parameters_and_state_not_copies_of_them() -> None:
+    """torch.optim's in-place update runs on clones inside the trace; functionalized, each clone is an exact
+    copy that is only read, and the captured step reads the input instead: no clone of a parameter or state
+    is left (eager's in-place update makes none). A clone the step writes, returns or views is kept."""
+    for optimizer in ("sgd", "adam"):
+        w = zoo.get("mlp", "test", optimizer=optimizer)
+        gm = capture_step(w.model, w.loss_fn, w.optimizer, w.example_inputs).gm
+        clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
+                  and n.args[0].op == "placeholder"]
+        assert not clones, (optimizer, clones)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple:
+        read, returned, viewed = x.clone(), x.clone(), y.clone()
+        written = y.clone()
+        written.add_(1.0)
+        return read * 2.0, returned, viewed.t(), written
+
+    gm = make_fx(step)(torch.ones(2, 2), torch.ones(2, 2))  # not functionalized: `written` is written
+    before = sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
+    _read_inputs_not_their_clones(gm)
+    kept = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert before == 4 and len(kept) == 3  # only `read` goes
+    out = gm(torch.ones(2, 2), torch.zeros(2, 2))
+    assert [t.tolist() for t in out] == [[[2.0, 2.0]] * 2, [[1.0, 1.0]] * 2, [[0.0, 0.0]] * 2, [[1.0, 1.0]] * 2]

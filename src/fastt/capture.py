@@ -458,6 +458,32 @@ def _no_tf32_note() -> Iterator[None]:
         yield
 
 
+def _read_inputs_not_their_clones(gm: GraphModule) -> None:
+    """Where the step reads a plain clone of an input that it neither returns, writes nor aliases, read the
+    input itself. `_step_fn` runs torch.optim's in-place update on clones of the parameters and state, and
+    functionalize turns its ops into pure ones, so each such clone is an exact copy that is only read: one
+    more copy of every parameter and state a step, which eager's in-place update never makes."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = set(out.all_input_nodes)
+    for n in list(gm.graph.nodes):
+        if (n.target is torch.ops.aten.clone.default and not n.kwargs and n.args[0].op == "placeholder"
+                and n not in returned and all(_only_reads(u, n) for u in n.users)):
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _only_reads(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether aten op `user` reads `value` without writing it or returning an alias of it."""
+    schema = getattr(user.target, "_schema", None)
+    if schema is None or any(r.alias_info is not None for r in schema.returns):
+        return False
+    given = [*zip(schema.arguments, user.args), *((a, user.kwargs[a.name]) for a in schema.arguments
+                                                  if a.name in user.kwargs)]
+    return not any(a.alias_info is not None and a.alias_info.is_write
+                   for a, v in given if v is value or isinstance(v, (list, tuple)) and value in v)
+
+
 def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  example_inputs: Sequence[torch.Tensor], clip_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None) -> Step:
@@ -508,6 +534,7 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     finally:
         model.train(was_training)
     gm.graph.eliminate_dead_code()
+    _read_inputs_not_their_clones(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     _scalar_inputs(gm, placeholders[len(placeholders) - sum(map(len, keys)) - 1:])
     roles = ([("param", n) for n in names] + [("buffer", n) for n in buffer_names]
