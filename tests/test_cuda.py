@@ -212,3 +212,21 @@ def test_fastt_run_on_the_gpu_reports_times_and_trains_as_eager() -> None:
     assert [r["planner"] for r in res["results"]] == ["fastt", "dp", "single", "eager"]
     assert all(r["measured_iteration_s"] > 0 for r in res["results"])
     assert res["max_param_rel_diff"] < RTOL
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert-base"])
+def test_bf16_plans_on_two_streams_train_as_eager_autocast(name: str) -> None:
+    """--precision bf16 on the GPU: the step captured under CUDA's autocast (bf16 tensor cores where the GPU
+    has them) trains under data parallelism and DPOS's plan as eager under the same autocast, step by step
+    from the same state, within bf16's unit (as on the CPU, tests/test_precision.py)."""
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+
+    def make() -> tuple:
+        torch.manual_seed(0)
+        w = zoo.get(name, "test", dropout=False)
+        return w.name, w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+    out = run_planners(make, "cuda:0,0", ["dp", "dpos"], 3, check=True, trial=False, autocast=torch.bfloat16)
+    print(json.dumps(out))
+    assert out["precision"] == "bf16" and out["max_param_rel_diff"] < 2.0**-8
