@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -71,13 +72,21 @@ def autocast(dtype: torch.dtype | None, tensors: Sequence[torch.Tensor]) -> Iter
     if dtype is None:
         yield
         return
-    device = device_type(tensors)
-    with torch.autocast(device, dtype=dtype), _at_the_op(device, dtype):
+    with torch.autocast(device_type(tensors), dtype=dtype), _at_the_op():
         yield
 
 
+# The functions `_at_the_op` swaps in torch.nn.functional, as torch defines them, each with the dtype
+# autocast casts its inputs to (None: autocast's own low precision), and how many captures under autocast
+# are running: two threads may capture at once, the first swaps them in and the last back.
+_POLICY = {"scaled_dot_product_attention": (F.scaled_dot_product_attention, None),
+           "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits, torch.float32)}
+_swapped = {"count": 0}
+_lock = threading.Lock()
+
+
 @contextlib.contextmanager
-def _at_the_op(device: str, low: torch.dtype) -> Iterator[None]:
+def _at_the_op() -> Iterator[None]:
     """Composite ops that autocast casts, run as autocast's own kernel runs them in eager: the floating inputs
     cast to the op's autocast dtype, the inside without autocast.
 
@@ -88,26 +97,35 @@ def _at_the_op(device: str, low: torch.dtype) -> Iterator[None]:
     binary_cross_entropy_with_logits is on autocast's fp32 list; decomposed, it would compute in bf16.
     Neither a torch function mode (off inside a Python function such as `F.multi_head_attention_forward`)
     nor a kernel at the Autocast key (functorch restores autocast for every op inside) can do this, so the
-    functions are swapped in `torch.nn.functional` while the forward is traced. Outside a functorch
-    transform the swapped function computes what autocast's kernel does, so another thread sees no change."""
-    policy = {"scaled_dot_product_attention": low, "binary_cross_entropy_with_logits": torch.float32}
-    own = {name: getattr(F, name) for name in policy}
-
-    def at_the_op(name: str) -> Callable:
-        def run(*args, **kwargs):
-            if not torch.is_autocast_enabled(device):
-                return own[name](*args, **kwargs)
-            cast = (lambda t: t.to(policy[name]) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                    else t)
-            args, kwargs = pytree.tree_map(cast, (args, kwargs))
-            with torch.autocast(device, enabled=False):
-                return own[name](*args, **kwargs)
-        return functools.wraps(own[name])(run)
-
-    for name in policy:
-        setattr(F, name, at_the_op(name))
+    functions are swapped in `torch.nn.functional` while the forward is traced. A swapped function reads the
+    autocast state of the thread that calls it, and outside a functorch transform computes what autocast's
+    kernel does, so another thread sees no change."""
+    with _lock:
+        if _swapped["count"] == 0:
+            for name, (fn, to) in _POLICY.items():
+                setattr(F, name, _cast_at(fn, to))
+        _swapped["count"] += 1
     try:
         yield
     finally:
-        for name, fn in own.items():
-            setattr(F, name, fn)
+        with _lock:
+            _swapped["count"] -= 1
+            if _swapped["count"] == 0:
+                for name, (fn, _) in _POLICY.items():
+                    setattr(F, name, fn)
+
+
+def _cast_at(fn: Callable, to: torch.dtype | None) -> Callable:
+    """`fn` as autocast's kernel runs it where autocast is on: its floating inputs cast to `to` (None:
+    autocast's dtype), its inside without autocast."""
+    def run(*args, **kwargs):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device.type if tensors else "cpu"
+        if not torch.is_autocast_enabled(device):
+            return fn(*args, **kwargs)
+        want = to or torch.get_autocast_dtype(device)
+        cast = (lambda t: t.to(want) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+        args, kwargs = pytree.tree_map(cast, (args, kwargs))
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+    return functools.wraps(fn)(run)
