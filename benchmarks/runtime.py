@@ -305,7 +305,7 @@ def main() -> None:
     if a.precision:
         path = a.out / f"runtime-{a.precision}{'-small' if a.small else ''}.json"
         if not a.render:
-            rows = accuracy(["mlp"] if a.small else list(zoo.DISTINCT), 2 if a.small else 10,
+            rows = accuracy(["mlp", "lenet"] if a.small else list(zoo.DISTINCT), 4 if a.small else 10,
                             ("fp32", a.precision))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"machine": f"{torch.get_num_threads()} threads, torch "

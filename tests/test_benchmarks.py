@@ -144,7 +144,7 @@ def test_runtime_benchmark_in_bf16_beside_fp32_small(tmp_path: Path) -> None:
     summary = bench("runtime", tmp_path, "--precision", "bf16")
     rows = json.loads((tmp_path / "runtime-bf16-small.json").read_text())["accuracy"]
     assert sorted((r["model"], r["planner"], r["precision"]) for r in rows) == sorted(
-        itertools.product(["mlp"], ["fastt", "dp", "single"], ["fp32", "bf16"]))
+        itertools.product(["mlp", "lenet"], ["fastt", "dp", "single"], ["fp32", "bf16"]))
     for r in rows:
         assert positive(r["measured_s"], r["simulated_s"])
         assert r["error"] == pytest.approx((r["simulated_s"] - r["measured_s"]) / r["measured_s"])
