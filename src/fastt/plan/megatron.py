@@ -159,24 +159,25 @@ def _param_dim(nodes: dict[str, Node], param: object, a: Node, d: int | None) ->
     while src.target in ALIAS and src.args and isinstance(src.args[0], Node):
         src = src.args[0]
     cast = src if str(src.target) == CAST else None
+    cast_views = [v.name for v in _views_of(cast)] if cast is not None else []
     for pd in range(len(nodes[param.nodes[0]].meta["val"].shape)):
         probe = {param.nodes[0]: pd}
         _cut_views(nodes, param.nodes[1:], probe)
         if cast is not None and cast.args[0].name in probe:
             probe[cast.name] = probe[cast.args[0].name]
-            _cut_views(nodes, [n.name for n in _views_of(cast)], probe)
+            _cut_views(nodes, cast_views, probe)
         if probe.get(a.name) == d:
             return pd
     return None
 
 
 def _views_of(n: Node) -> list[Node]:
-    """The views of `n`, and of them, in graph order."""
+    """The views of `n`, and of them, each after the view it views (a view has one input)."""
     out, todo = [], [n]
     while todo:
         todo += (v := [u for u in todo.pop().users if u.target in ALIAS])
         out += v
-    return sorted(out, key=lambda u: list(n.graph.nodes).index(u))
+    return out
 
 
 def _reader(graph: OpGraph, i: int) -> object:
