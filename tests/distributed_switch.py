@@ -51,6 +51,7 @@ def main(name: str, out: str, first: str = "dp") -> None:
                 ref[3].state[p] = {k: v.clone() for k, v in opt.state[q].items()}
             eager_reference_step(ref[1], ref[2], ref[3], b, replicas[-1])
         step(*b)
+        step.sync()  # rank 0 reads its model: it gets what rank 1 keeps
         if ref is not None:
             diffs.append(max_param_rel_diff(ref[1], model))
     if rank == 0:

@@ -55,6 +55,7 @@ def train(step, model, opt, ref: tuple, inputs, schedule: str, clip: float) -> d
         if rank == 0:
             take_state(model, opt, ref[0], ref[2])
         loss = step(*shard_of(whole, rank, dist.get_world_size()))
+        step.sync()  # rank 0 reads its model: it gets what the others keep
         if rank == 0:
             eager = eager_step(ref[0], ref[1], ref[2], whole, clip)
             worst = max(worst, params_close(ref[0], model))

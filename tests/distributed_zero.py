@@ -63,6 +63,7 @@ def train(name: str, optimizer: str, batch: int | None) -> dict:
             take_state(model, opt, ref[0], ref[2])
             take_state(model, opt, local[0], local[2])
         step(*shard_of(whole, rank, world))
+        step.sync()  # rank 0 reads its model: it gets what the others keep
         if rank == 0:
             eager_step(ref[0], ref[1], ref[2], whole)
             local_step(*whole)
@@ -93,6 +94,7 @@ def then_dp(model, loss_fn, opt, inputs, ref: tuple | None) -> list[float]:
         if rank == 0:
             take_state(model, opt, ref[0], ref[2])
         step(*shard_of(whole, rank, world))
+        step.sync()
         if rank == 0:
             eager_step(ref[0], ref[1], ref[2], whole)
             diffs.append(params_close(ref[0], model))

@@ -127,6 +127,8 @@ def main() -> None:
     saves = range(a.steps + 1) if a.save == "every" else {int(s) for s in a.save.split(",")}
 
     def save(done: int) -> None:
+        if done in saves:
+            step.sync()  # every rank: rank 0's model then holds what the others keep
         if done in saves and rank == 0:
             if done == a.die_saving:
                 torch.save = die_while_saving(torch.save)
@@ -135,6 +137,7 @@ def main() -> None:
             print(f"saved {done}", flush=True)
 
     train(step, sched, inputs, range(start, a.steps), save)
+    step.sync()
     if rank == 0:
         torch.save(state(model, opt, sched), a.dir / a.out)
     if a.distributed:

@@ -82,11 +82,23 @@ def test_every_read_is_delivered_in_time(seed: int, replicas: int, n_dev: int, n
     out = programs.outputs
     for k, value in w.keep[0].values():
         assert where.get((k, value), (0,))[0] == 0 or (k, value) in to_0
-    assert len(w.keep[0]) >= n
+    check_truth(w, programs.placeholders[:n])
     assert all(where[k, out[0]][0] == 0 or (k, out[0]) in to_0 for k in range(low.replicas))
     check_collectives(w, low, programs, where)
     for _ in range(5):
         run_in_any_order(w, programs, rng)
+
+
+def check_truth(w: Wiring, params) -> None:
+    """Every parameter's newest value is kept by rank 0 or by the rank `Wiring.truth` names (which keeps it),
+    and no end-of-step message brings rank 0 a value it does not keep."""
+    truth = dict(w.truth)
+    assert set(params) <= set(w.keep[0]) | set(truth) and not set(w.keep[0]) & set(truth)
+    assert all(x in w.keep[r] for x, r in truth.items())
+    if truth:
+        assert not w.everywhere
+    to_0 = {v for i in w.final if w.messages[i].dst == 0 for v in w.messages[i].values}
+    assert not to_0 & {w.keep[r][x] for x, r in truth.items()}
 
 
 def check_collectives(w: Wiring, low, programs, where: dict) -> None:
@@ -151,6 +163,21 @@ def test_a_one_device_plan_sends_nothing() -> None:
     placed = place(g, fastt.plan(g, "cpu:2", "single"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
     w = wire(placed.lowered, placed.programs)
     assert not w.messages and not w.final
+
+
+def test_what_rank_0_does_not_read_stays_on_the_ranks_that_do() -> None:
+    """The pipeline's second stage on rank 1: its layers' new values and state stay there (`Wiring.truth`), not
+    sent to rank 0 every step, which gets only the losses; data parallelism keeps everything everywhere."""
+    g = captured("mlp")
+    placed = place(g, fastt.plan(g, "cpu:2", "pipeline"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    w = wire(placed.lowered, placed.programs)
+    assert w.truth and not w.everywhere and {r for _, r in w.truth} == {1}
+    check_truth(w, placed.programs.placeholders[:len(placed.lowered.step.param_names)])
+    out = placed.programs.outputs[0]
+    assert {name for i in w.final if w.messages[i].dst == 0 for _, name in w.messages[i].values} == {out}
+    dp = place(g, fastt.plan(g, "cpu:2", "dp"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    w = wire(dp.lowered, dp.programs)
+    assert w.everywhere and not w.truth
 
 
 def test_the_steps_constants_travel_nowhere() -> None:

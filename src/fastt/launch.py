@@ -208,6 +208,8 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
             step(*shard)  # on a GPU it ends once the GPU is done
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        if check:  # rank 0's model is read: it gets what the other ranks keep
+            step.sync()
         tuned += step.tuner is not None and step.tuner.active
         if ref is not None:
             step_diffs.append(max_param_rel_diff(ref[1], model))

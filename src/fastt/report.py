@@ -151,12 +151,13 @@ def format_run(out: dict) -> str:
             lines.append(f"  {r['planner']}: last step's busy ms per device, measured/simulated: {pairs}; "
                          f"allreduce means computed {means} (simulated on links: "
                          f"{r['simulated_allreduce_s'] * 1e3:.1f})")
+    # the one-device rival: locally a worker device with every core; under torchrun rank 0's device alone
+    one = "one process" if out.get("launcher") == "torchrun" else "one device on every core"
     for r in out["results"]:
         if t := r.get("trial"):
-            rivals = [f"{name} {t[k] * 1e3:.1f} ms"
-                      for name, k in (("dp", "dp_s"), ("one device on every core", "one_device_s"))
+            rivals = [f"{name} {t[k] * 1e3:.1f} ms" for name, k in (("dp", "dp_s"), (one, "one_device_s"))
                       if t.get(k) is not None]
-            kept = "one device on every core" if t["kept"] == "single" else t["kept"]
+            kept = one if t["kept"] == "single" else t["kept"]
             lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, "
                          f"{', '.join(rivals)} a step ({t['steps']} steps each): kept {kept} (its setup time "
                          "includes the trial)")

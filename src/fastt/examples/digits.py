@@ -139,8 +139,8 @@ class Training:
 
 def train(step, t: Training, x: torch.Tensor, y: torch.Tensor, a: argparse.Namespace, epochs: int,
           rank: int) -> None:
-    """The user's loop: a step, the scheduler's step; a checkpoint after every epoch (rank 0's model is the
-    truth)."""
+    """The user's loop: a step, the scheduler's step; a checkpoint after every epoch (`step.sync()` on every
+    rank first: under torchrun rank 0's model then holds what the other ranks kept)."""
     per_epoch = len(x) // a.batch
     bar = tqdm(total=epochs * per_epoch, initial=t.epoch * per_epoch, desc="digits", unit="step",
                disable=rank != 0)
@@ -155,6 +155,7 @@ def train(step, t: Training, x: torch.Tensor, y: torch.Tensor, a: argparse.Names
                                 step_ms=f"{(time.perf_counter() - t0) * 1e3:.1f}", refresh=False)
             bar.update()
         t.epoch += 1
+        step.sync()
         if a.checkpoint and rank == 0:
             t.save(a.checkpoint, step.strategy)
     bar.close()

@@ -60,6 +60,11 @@ class PlacedStep:
     def simulated_s(self) -> float:
         return self.placed.simulated_s
 
+    def sync(self) -> None:
+        """Make the user's model and optimizer hold the newest state: the local runtime writes it there every
+        step (nothing to do); under torchrun every rank calls it before rank 0's model is read
+        (`DistributedStep.sync`)."""
+
     def timeline(self) -> Timeline:
         """The running plan simulated with the step's costs now (the tuner refits them)."""
         placed = self.placed

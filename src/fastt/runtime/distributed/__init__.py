@@ -15,14 +15,16 @@ goes by point-to-point messages, all known before the first step (`wire`):
   (`ReduceCall`). Ranks start the collectives they share in one order, which cannot deadlock
   (`order_collectives`); allreduces that become ready together go in one.
 - at the end of the step: the new parameters, optimizer state and batch-norm buffers go to the ranks that read
-  them next step and to rank 0, whose model is the truth (read it for checkpoints); the replicas' losses to
-  rank 0.
+  them next step; the replicas' losses to rank 0. Rank 0's model becomes the truth when every rank calls
+  `DistributedStep.sync()` (before a checkpoint or an evaluation on rank 0; rank 0 refuses a `state_dict()`
+  or a forward of its model until then), which brings it the values it does not read from the ranks that
+  keep them (`truth_to_rank0`).
 - sharded updates (`fastt.shard`): the gradient's reduce-scatter is that `all_to_all` alone, cut at the row
   parts (`RowShards`); at the end the new parameter's rows are all-gathered (`RowGather`), and of the state
   each rank keeps its rows, rank 0 the whole (the others' rows sent to it).
 - chained updates (tensor-parallel weights, `split.chain_update`): part k of a new weight and of its state is
   made on the rank of its gradient's part k; at the end the parts go to every rank that reads the weight
-  next step and to rank 0, which join them (`Wiring.chained`). Where the gradient parts are averaged across
+  next step, which join them (`Wiring.chained`). Where the gradient parts are averaged across
   replicas (megatron on several nodes), part k's allreduce is a collective of the ranks holding part k.
 
 Messages carry no tags: each direction between two ranks has a process group of its own (`directions`), whose

@@ -14,6 +14,7 @@ from ...cluster import Cluster
 from ...coarsen import capture_graph
 from ...cost import measure_step
 from ...errors import FasttError
+from ...plan.basic import single_device
 from ...precision import check_scaler
 from ...strategy import Strategy
 from ..decide import decide, tuner_of
@@ -23,7 +24,7 @@ from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
-from .step import DistributedStep, check_same, whole_state
+from .step import DistributedStep, check_same, forget_held, whole_state
 from .wiring import wire
 
 
@@ -41,7 +42,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     cost each other); rank 0 plans and sends the plan to all. `example_inputs` is a whole batch (`whole_batch`
     makes one of the ranks' shards); training then passes each rank its shard (`DistributedStep`).
 
-    The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule): both
+    The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule) and
+    than one process (the whole step on rank 0's device, the other ranks sending it their shards' rows): all
     run `trial_steps` steps first, each rank on its shard, the model and optimizer restored after (0: no
     trial; `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a
     configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
@@ -72,8 +74,12 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
         mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
+        # One process: the whole step on rank 0's device (the others send their shards' rows and wait)
+        one = (None if world < 2 or len(set(strategy.placement.values())) < 2 else
+               lambda: _placed_step(model, optimizer, graph, single_device(graph, cl), cl, costs, timeout_s))
         step = raced(step, lambda dp: _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s), mine,
-                     trial_steps, _between_barriers, _rank0s)
+                     trial_steps, _between_barriers, _rank0s, alone=one)
+        forget_held(optimizer)  # the trial put back every rank's own state, the same on every rank
     return step
 
 

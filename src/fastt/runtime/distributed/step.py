@@ -1,5 +1,6 @@
 """The training step of one rank (`DistributedStep`): its shard of the batch in, the plan's messages run, the
-new state kept where it is read next; and how every rank takes rank 0's state (`sync_from_rank0`)."""
+new state kept where it is read next; how rank 0's model becomes the truth (`truth_to_rank0`) and how every
+rank takes rank 0's state (`sync_from_rank0`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,9 +41,14 @@ class DistributedStep(PlacedStep):
     was captured with (`fastt.runtime.shards`; in a data-parallel plan rank r's shard is replica r's share,
     what `DistributedSampler` and a DataLoader of batch B/world give rank r). The rows a plan reads on another
     rank travel there. Every rank may instead pass the same whole batch (nothing travels). The loss comes back
-    on rank 0, None elsewhere. Rank 0's model and optimizer are the truth after every step; other ranks keep
-    what their devices read: of a sharded update's state (`fastt.shard`), only their rows; of a
-    tensor-parallel weight (chained updates), it and its state whole, its parts joined."""
+    on rank 0, None elsewhere.
+
+    After a step each rank keeps what its devices read next step: of a sharded update's state (`fastt.shard`),
+    only its rows (rank 0 all of them); of a tensor-parallel weight (chained updates), it and its state whole,
+    its parts joined. A parameter or state that rank 0 does not read stays on the ranks that do: rank 0's
+    model and optimizer are the truth after `sync()`, which every rank calls (before a checkpoint or an
+    evaluation on rank 0). Until then rank 0 refuses its model's `state_dict()` and forward and its
+    optimizer's `state_dict()`, naming the ranks that hold the newest values."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
                  wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,
@@ -58,6 +65,8 @@ class DistributedStep(PlacedStep):
         self._placed, self.wiring = placed, wiring
         self.buffers = Buffers(wiring, self.rank, placed.programs.targets[self.rank])
         self._feed: Feed | None = None
+        if self.rank == 0:
+            _guard(model, optimizer)
 
     @property
     def placed(self) -> Placed:
@@ -113,8 +122,12 @@ class DistributedStep(PlacedStep):
         slots = [(p, k) for p, keys in zip(params, step.state_keys) for k in keys]
         self._keep(envs, dict(zip(programs.placeholders, tensors)),
                    dict(zip(programs.placeholders[len(params) + len(buffers):], slots)))
-        if self.wiring.gathers:  # other ranks now hold their rows of the state: another plan needs it whole
-            _ROWS_HELD[self.optimizer] = (self.placed.strategy, step)
+        if self.wiring.everywhere:
+            _HELD.pop(self.optimizer, None)
+        else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
+            index = {x: i for i, x in enumerate(programs.placeholders)}
+            _HELD[self.optimizer] = _Held(self.placed.strategy, step,
+                                          tuple((index[x], r) for x, r in self.wiring.truth))
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
@@ -141,6 +154,12 @@ class DistributedStep(PlacedStep):
     def whole_state(self) -> None:
         """`whole_state` before a step of this plan: `__call__` calls it, and the trial before timing one."""
         whole_state(self.model, self.optimizer, self.placed.strategy)
+
+    def sync(self) -> None:
+        """Rank 0's model and optimizer become the truth: the ranks that keep values rank 0 does not read send
+        them to it (`truth_to_rank0`). Every rank calls it, as a collective; nothing travels where rank 0
+        already has everything."""
+        truth_to_rank0(self.model, self.optimizer, self.timeout)
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
@@ -251,6 +270,7 @@ class DistributedStep(PlacedStep):
         and optimizer state, since the others only kept what their devices read."""
         if placed is None:
             placed = place(self.graph, strategy, self.cluster, self.costs, self.targets)
+        truth_to_rank0(self.model, self.optimizer, self.timeout)
         self.placed = placed
         check_same(self.wiring)
         sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
@@ -275,27 +295,79 @@ def check_same(wiring: Wiring) -> None:
 
 def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 strategy: Strategy | None = None) -> None:
-    """Every rank takes rank 0's state if a step of another plan than `strategy` left the other ranks holding
-    only their rows of a sharded update's state (a trial's rival; a step, or a capture, of another plan on
-    this optimizer). Every rank calls it alike: every rank ran the same steps."""
-    held = _ROWS_HELD.get(optimizer)
+    """Every rank takes the newest state of everything if a step of another plan than `strategy` left some
+    rank without it (a value its devices did not read; only its rows of a sharded update's state): rank 0
+    gets what it lacks (`truth_to_rank0`), then every rank rank 0's (`sync_from_rank0`). Before a trial's
+    rival, a step or a capture of another plan on this optimizer. Every rank calls it alike: every rank ran
+    the same steps."""
+    held = _HELD.get(optimizer)
     # by value, which every rank has alike (rank 0's tuner may have rewired its own step meanwhile)
-    if held is not None and held[0] is not strategy and held[0] != strategy:
-        sync_from_rank0(model, optimizer, held[1])
+    if held is not None and held.strategy is not strategy and held.strategy != strategy:
+        truth_to_rank0(model, optimizer)
+        sync_from_rank0(model, optimizer, held.step)
 
 
-def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
-    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer); a
-    rank that held only its rows of a state (a sharded update's) gets it whole."""
-    _ROWS_HELD.pop(optimizer, None)
+def _bound(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> tuple[list, list, list[Leaf]]:
+    """The step's parameters, buffers and optimizer states as this rank's tensors, each state's (parameter,
+    key), and each one's whole `Leaf` (from the captured step: alike on every rank)."""
     params, buffers, states = bind(model, optimizer, step.param_names, step.state_keys, create=True)
     tensors = [*params, *buffers, *(s for ss in states for s in ss)]
     slots = [None] * (len(params) + len(buffers)) + [(p, k) for p, keys in zip(params, step.state_keys)
                                                       for k in keys]
     vals = [n.meta["val"] for n in step.gm.graph.nodes if n.op == "placeholder"][:len(tensors)]
-    shapes = [v.shape for v in vals]  # whole, on every rank
-    leaves = [Leaf(shape, torch.empty(shape, device="meta").stride(), t.dtype)
-              for t, shape in zip(tensors, shapes)]
+    leaves = [Leaf(v.shape, torch.empty(v.shape, device="meta").stride(), t.dtype)
+              for t, v in zip(tensors, vals)]
+    return tensors, slots, leaves
+
+
+def _put(optimizer: torch.optim.Optimizer, t: torch.Tensor, new: torch.Tensor, slot) -> None:
+    """`new` becomes the value of this rank's tensor `t`: a parameter's data, a state this rank held in rows
+    replaced whole, else copied in place."""
+    if isinstance(t, torch.nn.Parameter):
+        t.data = new
+    elif t.shape != new.shape:
+        optimizer.state[slot[0]][slot[1]] = new
+    else:
+        t.copy_(new)
+
+
+def truth_to_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)) -> None:
+    """Rank 0's model and optimizer become the truth: each rank that keeps newest values rank 0 did not read
+    in the last step (`Wiring.truth`) sends them to it in one buffer. Every rank calls it alike."""
+    held = _HELD.get(optimizer)
+    if held is None or not held.truth:
+        return
+    _HELD[optimizer] = held._replace(truth=())
+    rank = dist.get_rank()
+    tensors, slots, leaves = _bound(model, optimizer, held.step)
+    device = tensors[0].device
+    groups = directions(device)
+    for src in sorted({r for _, r in held.truth}):
+        if rank not in (0, src):
+            continue
+        which = [i for i, r in held.truth if r == src]
+        mine = [leaves[i] for i in which]
+        if rank == src:
+            work = dist.isend(pack([(tensors[i], leaves[i]) for i in which]), 0, group=groups[src, 0])
+        else:
+            buf = torch.empty(packed_size(mine), dtype=torch.uint8, device=device)
+            work = dist.irecv(buf, src, group=groups[src, 0])
+        peer = src if rank == 0 else 0
+        wait_done(work, timeout, device,
+                  lambda e, peer=peer: lost(peer, "the newest state for rank 0", e, timeout))
+        if rank == 0:
+            with torch.no_grad():
+                for i, new in zip(which, unpack(buf, mine)):
+                    _put(optimizer, tensors[i], new, slots[i])
+
+
+def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> None:
+    """Every rank's parameters, buffers and optimizer state become rank 0's (one broadcast of one buffer); a
+    rank that held only its rows of a state (a sharded update's) gets it whole. Rank 0's are the newest only
+    after `truth_to_rank0`."""
+    _HELD.pop(optimizer, None)
+    tensors, slots, leaves = _bound(model, optimizer, step)
     buf = (pack(list(zip(tensors, leaves))) if dist.get_rank() == 0 else
            torch.empty(packed_size(leaves), dtype=torch.uint8, device=tensors[0].device))
     dist.broadcast(buf, src=0)
@@ -303,13 +375,44 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
         return
     with torch.no_grad():
         for t, new, slot in zip(tensors, unpack(buf, leaves), slots):
-            if isinstance(t, torch.nn.Parameter):
-                t.data = new
-            elif t.shape != new.shape:
-                optimizer.state[slot[0]][slot[1]] = new
-            else:
-                t.copy_(new)
+            _put(optimizer, t, new, slot)
 
 
-# optimizer -> (strategy, captured step) of a step that left other ranks holding only their rows of its state
-_ROWS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def forget_held(optimizer: torch.optim.Optimizer) -> None:
+    """Every rank holds the same state again by other means (a trial put back each rank's own copy of it)."""
+    _HELD.pop(optimizer, None)
+
+
+def _guard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """On rank 0: its model's `state_dict()` and forward, and its optimizer's `state_dict()`, raise while
+    rank 0 lacks newest values (no `truth_to_rank0` since the last step): a checkpoint or an evaluation
+    would silently read an older state."""
+    if model in _GUARDED:
+        return
+    _GUARDED.add(model)
+
+    def refuse(*_: object) -> None:
+        held = _HELD.get(optimizer)
+        if held is not None and held.truth:
+            ranks = ", ".join(map(str, sorted({r for _, r in held.truth})))
+            raise FasttError(f"rank 0's model and optimizer lack the newest values of {len(held.truth)} "
+                             f"tensors, kept by rank {ranks} (rank 0 does not read them in this plan): call "
+                             "step.sync() on every rank first")
+
+    model.register_state_dict_pre_hook(refuse)
+    model.register_forward_pre_hook(refuse)
+    optimizer.register_state_dict_pre_hook(refuse)
+
+
+class _Held(NamedTuple):
+    """What the last step of a plan left where: its strategy and captured step, and the placeholders (by
+    index) whose newest value rank 0 lacks, each with the rank that sends it (`Wiring.truth`)."""
+
+    strategy: Strategy
+    step: object
+    truth: tuple[tuple[int, int], ...]
+
+
+# optimizer -> `_Held` of its last step, where that step left some rank without the newest state of everything
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GUARDED: weakref.WeakSet = weakref.WeakSet()  # rank 0's models that `_guard` watches
