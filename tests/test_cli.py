@@ -249,6 +249,31 @@ def test_run_trains_for_real_and_checks_against_eager(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "local runtime runs cpu:N" in bad.stderr
 
 
+def test_run_trace_puts_the_measured_step_beside_the_simulated_one(tmp_path: Path) -> None:
+    """`fastt run --trace`: per planner a measured process (a thread per device, the last step's segments and
+    allreduce means, which add up to the busy time the run reports) above its simulated devices and links;
+    refused in one line where it cannot record threads (torchrun)."""
+    r = ok(fastt("run", "--model", "mlp", "--devices", "cpu:2", "--planners", "dp,single", "--steps", "3",
+                 "--no-trial", "--json", "--trace", "t.json", cwd=tmp_path))
+    out = json.loads(r.stdout)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "dp: measured", 1: "dp: simulated devices", 2: "dp: simulated links",
+                     10: "single: measured", 11: "single: simulated devices", 12: "single: simulated links"}
+    for pid, x in zip((0, 10), out["results"]):
+        spans = [e for e in events if e["pid"] == pid and e["ph"] == "X"]
+        for d, busy in enumerate(x["busy_s"]):
+            seg = sum(e["dur"] for e in spans if e["tid"] == d and e["name"] != "allreduce mean") / 1e6
+            assert seg == pytest.approx(busy, rel=1e-6, abs=1e-9), (x["planner"], d)
+        assert min(e["ts"] for e in spans) == 0 and all(e["dur"] > 0 for e in spans)
+        assert any(e["pid"] == pid + 1 and e["ph"] == "X" for e in events)  # the simulated ops
+    assert {e["tid"] for e in events if e["pid"] == 0 and e["ph"] == "X"} == {0, 1}
+    bad = fastt("run", "--model", "mlp", "--launcher", "torchrun", "--devices", "cpu:2", "--trace", "u.json",
+                cwd=tmp_path)
+    assert bad.returncode == 2 and "--trace records the local launcher" in bad.stderr
+    assert len(bad.stderr.splitlines()) == 1
+
+
 def test_compare_across_nodes_reports_inter_node_traffic(tmp_path: Path) -> None:
     r = ok(fastt("compare", "--model", "transformer", "--cluster", "2x4xV100", "--planners", "dp,dpos", "--json",
                  cwd=tmp_path))

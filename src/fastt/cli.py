@@ -351,6 +351,11 @@ def cmd_run(a: argparse.Namespace) -> None:
         raise FasttError(f"--data {a.data}: not path/to/file.py:function of an existing file")
     if a.network is not None:
         check_network(a)
+    if a.trace is not None:
+        if a.launcher != "local" or not re.fullmatch(r"cpu:\d+", a.devices.strip().lower()):
+            raise FasttError("--trace records the local launcher's worker threads: use it with --launcher "
+                             "local --devices cpu:N")
+        check_writable(a.trace)
     if a.launcher == "torchrun":
         out = run_torchrun(a, planners)
         print(json.dumps(out) if a.json else format_run(out))
@@ -365,10 +370,14 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels
     # (oneDNN, cuDNN off).
+    trace: list | None = [] if a.trace else None
     with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial,
-                           autocast)
-    print(json.dumps(out) if a.json else format_run(out))
+                           autocast, trace)
+    if a.trace:
+        Path(a.trace).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+        out["trace"] = a.trace
+    print(json.dumps(out) if a.json else format_run(out) + (f"\n  wrote {a.trace}" if a.trace else ""))
 
 
 def check_network(a: argparse.Namespace) -> None:
@@ -511,6 +520,9 @@ def parser() -> argparse.ArgumentParser:
                         "every node)")
     p.add_argument("--timeout", type=positive_float, default=20.0,
                    help="torchrun: seconds a rank waits for a peer")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="local launcher on cpu:N: write each planner's last measured step beside its "
+                        "simulated one as Chrome/Perfetto trace JSON (a process each, a thread per device)")
     p.add_argument("--network", type=network_rate, default=None, metavar="RATE",
                    help="torchrun on cpu:N: run the ranks in a private network namespace whose loopback is "
                         "capped at RATE (tc's form: 1gbit, 100mbit, 10gbit), a slow network on one machine "

@@ -11,6 +11,8 @@ import torch
 
 from ..cluster import cluster, torch_device
 from ..precision import name_of
+from ..report import run_trace
+from ..split import graph_for
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
 from .step import ParallelStep, parallelize
 from .trial import timed
@@ -28,7 +30,7 @@ def _placed(make: Callable[[], Workload], home: str) -> Workload:
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
                  check: bool, tune: bool = False, clip_grad_norm: float | None = None,
-                 trial: bool = True, autocast: torch.dtype | None = None) -> dict:
+                 trial: bool = True, autocast: torch.dtype | None = None, trace: list | None = None) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
@@ -41,7 +43,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     parameter after a step is reported. On GPUs the model lives on the first device, and `eager` is plain
     PyTorch there. `clip_grad_norm`: every step clips the gradients' global norm
     (`torch.nn.utils.clip_grad_norm_`), eager's too. `autocast`: every step's forward runs under
-    `torch.autocast` in that dtype, eager's too.
+    `torch.autocast` in that dtype, eager's too. `trace` (a list): each planner's last step, measured beside
+    simulated, as Chrome trace events (`report.run_trace`) appended to it.
     """
     home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
@@ -66,8 +69,12 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                 take_state(model, opt, ref[1], ref[3])
             last = k == len(batches) - 1 and not (tuner is not None and tuner.active)
             if last:
-                seconds, busy, reducing = timed_busy(step, b)
+                spans: list = []
+                seconds, busy, reducing = timed_busy(step, b, spans)
                 times.append(seconds)
+                if trace is not None and spans:
+                    trace += run_trace(planner, len(results), spans, [d.name for d in step.cluster.devices],
+                                       step.timeline(), graph_for(step.graph, step.strategy))
             else:
                 times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
@@ -98,11 +105,12 @@ def simulated_busy(step: ParallelStep) -> dict:
             "simulated_allreduce_s": sum(c.end - c.start for c in tl.collectives)}
 
 
-def timed_busy(step: ParallelStep, batch: Sequence[torch.Tensor]) -> tuple[float, list, list]:
+def timed_busy(step: ParallelStep, batch: Sequence[torch.Tensor],
+               spans: list | None = None) -> tuple[float, list, list]:
     """`timed(step, *batch)` and each device's busy seconds in that step in segments and in allreduces
-    (`ParallelStep.profiled`)."""
+    (`ParallelStep.profiled`, which collects `spans`)."""
     out: list = []
-    seconds = timed(lambda *b: out.extend(step.profiled(*b)[1:]), *batch)
+    seconds = timed(lambda *b: out.extend(step.profiled(*b, spans=spans)[1:]), *batch)
     return seconds, *out
 
 

@@ -57,9 +57,11 @@ class _Run:
 
     def __init__(self, low: Lowered, programs: Programs, envs: list[dict], threads: int,
                  timings: list | None, meter: StorageMeter | None = None,
-                 budgets: Sequence[Budget] = ()) -> None:
+                 budgets: Sequence[Budget] = (), spans: list | None = None) -> None:
         self.low, self.programs, self.envs, self.threads, self.timings = low, programs, envs, threads, timings
         self.meter, self.budgets = meter, budgets
+        # with `spans` (CPU): (segment or None: an allreduce mean, device, start, end), perf_counter seconds
+        self.spans = spans
         # with `timings`: each device's seconds computing allreduce means (between its segments)
         self.reducing = [0.0] * len(programs.devices)
         self.nodes, self.cuda, self.streams = programs.nodes, programs.cuda, programs.streams
@@ -181,8 +183,15 @@ class _Run:
         if self.cuda:
             self.held += grads
         if self.timings is not None:
-            self.reducing[d] += time.perf_counter() - t0
+            self.reduced(d, t0)
         return True
+
+    def reduced(self, d: int, t0: float) -> None:
+        """Device d computed an allreduce mean from `t0` until now."""
+        now = time.perf_counter()
+        self.reducing[d] += now - t0
+        if self.spans is not None:
+            self.spans.append((None, d, t0, now))
 
     def finished(self, ops: Sequence[int], d: int) -> None:
         signals = [op for op in ops if op in self.events]
@@ -256,7 +265,7 @@ class _Run:
             self.held += grads
         self.finished(ops, d)
         if self.timings is not None:
-            self.reducing[d] += time.perf_counter() - t0
+            self.reduced(d, t0)
         return True
 
     def average(self, names: Sequence[str], grads: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -370,7 +379,10 @@ class _Run:
                 end.record(self.streams[d])
                 self.timings.append((seg, d, (start, end)))
             else:
-                self.timings.append((seg, d, time.perf_counter() - t0))
+                now = time.perf_counter()
+                self.timings.append((seg, d, now - t0))
+                if self.spans is not None:
+                    self.spans.append((seg, d, t0, now))
         self.finished([t.op for t in seg.tasks], d)
         self.release(seg.replica, seg.reads, seg.outputs if seg.fn is not None else written(seg), d)
         return True
@@ -475,14 +487,17 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
              batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int = 1,
              timings: list | None = None, meter: StorageMeter | None = None,
-             budgets: Sequence[Budget] = ()) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+             budgets: Sequence[Budget] = (),
+             spans: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Run one step of `low` (its `compile_programs`) on real tensors: (loss, new parameters, new optimizer
     state tensors), on the device the parameters are on. `timings` collects (segment, device, seconds) of
     every segment run (on CUDA the segment's GPU time), and on CPU (None, device, seconds) of the allreduce
     means each device computed between its segments; `meter` counts what each device's thread allocates;
-    `budgets` (the placed plan's) are what a device that runs out of memory is said to have needed."""
+    `budgets` (the placed plan's) are what a device that runs out of memory is said to have needed. `spans`
+    (on CPU, with `timings`) collects (segment or None, device, start, end) of the same, in `perf_counter`
+    seconds."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
-    run = _Run(low, programs, envs, threads_per_device, timings, meter, budgets)
+    run = _Run(low, programs, envs, threads_per_device, timings, meter, budgets, spans)
     with torch.no_grad():
         for env in envs:
             for name in low.prelude:

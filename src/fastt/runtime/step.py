@@ -89,19 +89,22 @@ class ParallelStep(PlacedStep):
         tuning = self.tuner is not None and self.tuner.active
         return self._step(batch, [] if tuning else None, tuning)
 
-    def profiled(self, *batch: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
+    def profiled(self, *batch: torch.Tensor,
+                 spans: list | None = None) -> tuple[torch.Tensor, list[float], list[float]]:
         """One training step, as `step(*batch)` takes it, and each device's busy seconds in it: (loss, the
         wall time of the segments it ran, the time it spent computing allreduce means between them). Waits
         for other devices' values are in neither. The simulator's `Timeline.busy_s` is the first's sum over
-        its ops; it runs allreduces on links, beside the devices."""
+        its ops; it runs allreduces on links, beside the devices. `spans` (CPU devices) collects when each
+        segment and mean ran (`run_step`), for a measured trace (`report.measured_trace`)."""
         timings: list = []
-        loss = self._step(batch, timings, False)
+        loss = self._step(batch, timings, False, spans)
         busy, reducing = [0.0] * len(self.cluster.devices), [0.0] * len(self.cluster.devices)
         for seg, d, seconds in timings:
             (busy if seg is not None else reducing)[d] += seconds
         return loss, busy, reducing
 
-    def _step(self, batch: Sequence[torch.Tensor], timings: list | None, tuning: bool) -> torch.Tensor:
+    def _step(self, batch: Sequence[torch.Tensor], timings: list | None, tuning: bool,
+              spans: list | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         step = self.lowered.step
         step.check(self.model, self.optimizer, batch, self.lowered.replicas)
@@ -109,7 +112,7 @@ class ParallelStep(PlacedStep):
         params, buffers, states, batch, hypers = step.arguments(self.model, self.optimizer, batch)
         loss, new_params, new_states = run_step(self.lowered, self.placed.programs, params, buffers, states,
                                                 batch, hypers, self.threads_per_device, timings, self.meter,
-                                                self.placed.budgets)
+                                                self.placed.budgets, spans)
         # The step's results are fresh tensors: hand them over instead of copying (the Parameter objects,
         # which the optimizer and the user hold, stay the same).
         for p, new in zip(params, new_params):
