@@ -26,7 +26,7 @@ from .layers import where
 from .plan import PLANNERS, get_planner
 from .plan.portfolio import OPTIONAL
 from .precision import dtype_of
-from .report import format_run, write_gantt, write_trace
+from .report import format_run, run_trace, write_gantt, write_trace
 from .simulate import inter_node_bytes
 from .split import graph_for
 from .strategy import Strategy
@@ -370,12 +370,17 @@ def cmd_run(a: argparse.Namespace) -> None:
 
     # The captured LSTM is the native decomposition: the eager reference runs the same kernels
     # (oneDNN, cuDNN off).
-    trace: list | None = [] if a.trace else None
+    events: list = []
+
+    def traced(planner: str, index: int, spans: list, step) -> None:  # --trace: measured beside simulated
+        names, g = [d.name for d in step.cluster.devices], graph_for(step.graph, step.strategy)
+        events.extend(run_trace(planner, index, spans, names, step.timeline(), g))
+
     with fused_kernels(not rnn):
         out = run_planners(make, a.devices, planners, a.steps, a.check, a.tune, a.clip_grad_norm, a.trial,
-                           autocast, trace)
+                           autocast, traced if a.trace else None)
     if a.trace:
-        Path(a.trace).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+        Path(a.trace).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         out["trace"] = a.trace
     print(json.dumps(out) if a.json else format_run(out) + (f"\n  wrote {a.trace}" if a.trace else ""))
 

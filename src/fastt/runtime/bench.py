@@ -11,8 +11,6 @@ import torch
 
 from ..cluster import cluster, torch_device
 from ..precision import name_of
-from ..report import run_trace
-from ..split import graph_for
 from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
 from .step import ParallelStep, parallelize
 from .trial import timed
@@ -30,7 +28,8 @@ def _placed(make: Callable[[], Workload], home: str) -> Workload:
 
 def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[str], steps: int,
                  check: bool, tune: bool = False, clip_grad_norm: float | None = None,
-                 trial: bool = True, autocast: torch.dtype | None = None, trace: list | None = None) -> dict:
+                 trial: bool = True, autocast: torch.dtype | None = None,
+                 trace: Callable[[str, int, list, ParallelStep], None] | None = None) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
@@ -43,8 +42,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     parameter after a step is reported. On GPUs the model lives on the first device, and `eager` is plain
     PyTorch there. `clip_grad_norm`: every step clips the gradients' global norm
     (`torch.nn.utils.clip_grad_norm_`), eager's too. `autocast`: every step's forward runs under
-    `torch.autocast` in that dtype, eager's too. `trace` (a list): each planner's last step, measured beside
-    simulated, as Chrome trace events (`report.run_trace`) appended to it.
+    `torch.autocast` in that dtype, eager's too. `trace(planner, index, spans, step)` is called with each
+    planner's last step's spans (`ParallelStep.profiled`; `fastt run --trace`).
     """
     home = torch_device(cluster(devices).devices[0])
     results, worst = [], 0.0
@@ -73,8 +72,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                 seconds, busy, reducing = timed_busy(step, b, spans)
                 times.append(seconds)
                 if trace is not None and spans:
-                    trace += run_trace(planner, len(results), spans, [d.name for d in step.cluster.devices],
-                                       step.timeline(), graph_for(step.graph, step.strategy))
+                    trace(planner, len(results), spans, step)
             else:
                 times.append(timed(step, *b))
             tuned += tuner is not None and tuner.active
