@@ -24,7 +24,7 @@ from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
-from .step import DistributedStep, check_same, forget_held, whole_state
+from .step import DistributedStep, check_same, racing, whole_state
 from .wiring import wire
 
 
@@ -77,9 +77,9 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         # One process: the whole step on rank 0's device (the others send their shards' rows and wait)
         one = (None if world < 2 or len(set(strategy.placement.values())) < 2 else
                lambda: _placed_step(model, optimizer, graph, single_device(graph, cl), cl, costs, timeout_s))
-        step = raced(step, lambda dp: _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s), mine,
-                     trial_steps, _between_barriers, _rank0s, alone=one)
-        forget_held(optimizer)  # the trial put back every rank's own state, the same on every rank
+        with racing(optimizer):  # every rank's own state is put back after, the same on every rank
+            step = raced(step, lambda dp: _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s),
+                         mine, trial_steps, _between_barriers, _rank0s, alone=one)
     return step
 
 

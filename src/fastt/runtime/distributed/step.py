@@ -127,7 +127,8 @@ class DistributedStep(PlacedStep):
         else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
             index = {x: i for i, x in enumerate(programs.placeholders)}
             _HELD[self.optimizer] = _Held(self.placed.strategy, step,
-                                          tuple((index[x], r) for x, r in self.wiring.truth))
+                                          tuple((index[x], r) for x, r in self.wiring.truth),
+                                          bool(self.wiring.gathers))
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
@@ -301,8 +302,10 @@ def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     rival, a step or a capture of another plan on this optimizer. Every rank calls it alike: every rank ran
     the same steps."""
     held = _HELD.get(optimizer)
+    if held is None or _RACING and not held.rows:  # a trial's step only needs the state's shapes right
+        return
     # by value, which every rank has alike (rank 0's tuner may have rewired its own step meanwhile)
-    if held is not None and held.strategy is not strategy and held.strategy != strategy:
+    if held.strategy is not strategy and held.strategy != strategy:
         truth_to_rank0(model, optimizer)
         sync_from_rank0(model, optimizer, held.step)
 
@@ -378,9 +381,19 @@ def sync_from_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer, st
             _put(optimizer, t, new, slot)
 
 
-def forget_held(optimizer: torch.optim.Optimizer) -> None:
-    """Every rank holds the same state again by other means (a trial put back each rank's own copy of it)."""
-    _HELD.pop(optimizer, None)
+@contextlib.contextmanager
+def racing(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """A trial of plans on this optimizer (`trial.raced`, which puts every rank's own state back after): its
+    steps only time the plans, so a step of one plan after another's takes rank 0's state only where the
+    other left some rank its rows of a state (the shapes must be right), not to bring every value up to date
+    (a broadcast of the whole state between timed steps); and what its steps left is forgotten after."""
+    global _RACING
+    _RACING = True
+    try:
+        yield
+    finally:
+        _RACING = False
+        _HELD.pop(optimizer, None)
 
 
 def _guard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -411,8 +424,10 @@ class _Held(NamedTuple):
     strategy: Strategy
     step: object
     truth: tuple[tuple[int, int], ...]
+    rows: bool  # some rank keeps only its rows of a sharded update's state
 
 
 # optimizer -> `_Held` of its last step, where that step left some rank without the newest state of everything
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GUARDED: weakref.WeakSet = weakref.WeakSet()  # rank 0's models that `_guard` watches
+_RACING = False  # inside `racing`
