@@ -352,7 +352,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     if a.network is not None:
         check_network(a)
     if a.trace is not None:
-        if a.launcher != "local" or not re.fullmatch(r"cpu:\d+", a.devices.strip().lower()):
+        if a.launcher != "local" or not _cpu_devices(a.devices):
             raise FasttError("--trace records the local launcher's worker threads: use it with --launcher "
                              "local --devices cpu:N")
         check_writable(a.trace)
@@ -388,7 +388,7 @@ def cmd_run(a: argparse.Namespace) -> None:
 def check_network(a: argparse.Namespace) -> None:
     """`--network`: torchrun's ranks on CPU devices (gloo's traffic goes through the loopback), and a capped
     namespace this process can make; a FasttError saying which is not so."""
-    if a.launcher != "torchrun" or not re.fullmatch(r"cpu:\d+", a.devices.strip().lower()):
+    if a.launcher != "torchrun" or not _cpu_devices(a.devices):
         raise FasttError(f"--network {a.network.rate} caps the loopback between the ranks' processes: use it "
                          "with --launcher torchrun --devices cpu:N")
     netns.check(a.network)
@@ -402,11 +402,16 @@ def network_rate(text: str) -> netns.Network:
         raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
+def _cpu_devices(devices: str) -> re.Match | None:
+    """`cpu:N` read from `devices` (its N the match's group 1), else None."""
+    return re.fullmatch(r"cpu:(\d+)", devices.strip().lower())
+
+
 def warn_oversubscribed(devices: str) -> None:
     """One line on stderr where `cpu:N` asks for more worker devices (or ranks) than this process has cores:
     they run, each waiting for a core, so their measured times say little
     about a machine that has the cores."""
-    m = re.fullmatch(r"cpu:(\d+)", devices.strip().lower())
+    m = _cpu_devices(devices)
     cores = cpu_threads(1)
     if m and int(m[1]) > cores:
         print(f"fastt: warning: {devices} runs {m[1]} worker devices on {cores} cores, so they wait for each "

@@ -74,12 +74,14 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
         mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
+        def rival(s: Strategy) -> DistributedStep:
+            return _placed_step(model, optimizer, graph, s, cl, costs, timeout_s)
+
         # One process: the whole step on rank 0's device (the others send their shards' rows and wait)
         one = (None if world < 2 or len(set(strategy.placement.values())) < 2 else
-               lambda: _placed_step(model, optimizer, graph, single_device(graph, cl), cl, costs, timeout_s))
+               lambda: rival(single_device(graph, cl)))
         with racing(optimizer):  # every rank's own state is put back after, the same on every rank
-            step = raced(step, lambda dp: _placed_step(model, optimizer, graph, dp, cl, costs, timeout_s),
-                         mine, trial_steps, _between_barriers, _rank0s, alone=one)
+            step = raced(step, rival, mine, trial_steps, _between_barriers, _rank0s, alone=one)
     return step
 
 

@@ -125,9 +125,7 @@ class DistributedStep(PlacedStep):
         if self.wiring.everywhere:
             _HELD.pop(self.optimizer, None)
         else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
-            index = {x: i for i, x in enumerate(programs.placeholders)}
-            _HELD[self.optimizer] = _Held(self.placed.strategy, step,
-                                          tuple((index[x], r) for x, r in self.wiring.truth),
+            _HELD[self.optimizer] = _Held(self.placed.strategy, step, self.wiring.truth,
                                           bool(self.wiring.gathers))
         loss = weighted_loss(envs, programs) if self.rank == 0 else None
         stepped(self.optimizer)
@@ -344,12 +342,14 @@ def truth_to_rank0(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _HELD[optimizer] = held._replace(truth=())
     rank = dist.get_rank()
     tensors, slots, leaves = _bound(model, optimizer, held.step)
+    names = [n.name for n in held.step.gm.graph.nodes if n.op == "placeholder"]  # as the step's tensors are
+    index = {x: i for i, x in enumerate(names)}
     device = tensors[0].device
     groups = directions(device)
     for src in sorted({r for _, r in held.truth}):
         if rank not in (0, src):
             continue
-        which = [i for i, r in held.truth if r == src]
+        which = [index[x] for x, r in held.truth if r == src]
         mine = [leaves[i] for i in which]
         if rank == src:
             work = dist.isend(pack([(tensors[i], leaves[i]) for i in which]), 0, group=groups[src, 0])
@@ -400,9 +400,9 @@ def _guard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """On rank 0: its model's `state_dict()` and forward, and its optimizer's `state_dict()`, raise while
     rank 0 lacks newest values (no `truth_to_rank0` since the last step): a checkpoint or an evaluation
     would silently read an older state."""
-    if model in _GUARDED:
+    if optimizer in _GUARDED:  # per optimizer: a new one on the same model is watched too
         return
-    _GUARDED.add(model)
+    _GUARDED.add(optimizer)
 
     def refuse(*_: object) -> None:
         held = _HELD.get(optimizer)
@@ -418,16 +418,16 @@ def _guard(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 class _Held(NamedTuple):
-    """What the last step of a plan left where: its strategy and captured step, and the placeholders (by
-    index) whose newest value rank 0 lacks, each with the rank that sends it (`Wiring.truth`)."""
+    """What the last step of a plan left where: its strategy and captured step, and the placeholders whose
+    newest value rank 0 lacks, each with the rank that sends it (`Wiring.truth`)."""
 
     strategy: Strategy
     step: object
-    truth: tuple[tuple[int, int], ...]
+    truth: tuple[tuple[str, int], ...]
     rows: bool  # some rank keeps only its rows of a sharded update's state
 
 
 # optimizer -> `_Held` of its last step, where that step left some rank without the newest state of everything
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GUARDED: weakref.WeakSet = weakref.WeakSet()  # rank 0's models that `_guard` watches
+_GUARDED: weakref.WeakSet = weakref.WeakSet()  # the optimizers whose model `_guard` watches on rank 0
 _RACING = False  # inside `racing`
