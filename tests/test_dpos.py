@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastt.cluster import Cluster, Device, Link
-from fastt.graph import COMPUTE, PARAM, UPDATE, Op, OpGraph
+from fastt.graph import COMPUTE, PARAM, UPDATE, Op, OpGraph, replicate
 from fastt.plan.common import PlanCosts
 from fastt.plan.dpos import dpos_strategy, schedule
+from fastt.plan.schedule import Schedule
 from fastt.simulate import simulate
 
 
@@ -201,3 +202,30 @@ def test_dpos_strategies_are_valid_on_random_steps(case) -> None:
         assert tl.fits
     else:
         assert tl.fits or tl.oom
+
+
+@settings(max_examples=60, deadline=None)
+@given(training_like(), st.integers(1, 3))
+def test_arrival_on_one_device_is_that_devices_arrival(case, replicas) -> None:
+    """`Schedule.arrival_at(i, d)` (the plain-float path a fixed device takes) equals `arrival(i)[d]` for
+    every op as it is placed, on every device: residents with their homes, allreduces (the step replicated)
+    and transfers between devices."""
+    g, times, cl = case
+    g = replicate(g, replicas)
+    times = np.resize(times, (len(g.ops), times.shape[1]))  # the replicas' copies and allreduces too
+    checked = []
+    place = Schedule.place
+
+    def checking(self, c):
+        want = self.arrival(c.op)
+        checked.append(c.op)
+        for d in range(self.n_devices):
+            assert self.arrival_at(c.op, d) == want[d], (c.op, d)
+        place(self, c)
+
+    Schedule.place = checking
+    try:
+        schedule(g, PlanCosts(times=times, cluster=cl))
+    finally:
+        Schedule.place = place
+    assert checked

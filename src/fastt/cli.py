@@ -484,7 +484,8 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     precision_option(p)
     p.add_argument("--budget", type=positive_float, default=None, metavar="SECONDS",
-                   help="bound the fastt planner's search; it returns the best plan found so far")
+                   help="bound the fastt planner's time, the capture at batch/N included (default 8.5), and "
+                        "os-dpos's split search (default 6); each returns the best plan found so far")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import operator
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -298,17 +299,22 @@ def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
     input is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
     `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
     `autocast`: the forward runs under `torch.autocast` in this dtype (`capture.capture_step`).
+    `recapture.seconds` is the longest capture of the step so far: planners that weigh another capture against
+    their budget read it.
     """
     example_inputs = tuple(example_inputs)
 
-    @functools.lru_cache(maxsize=8)
-    def recapture(batch: int) -> OpGraph:
-        sliced = tuple(x[:batch] for x in example_inputs)
-        g = to_opgraph(capture_step(model, loss_fn, optimizer, sliced, clip_grad_norm, autocast), name)
+    def timed(inputs: tuple[torch.Tensor, ...]) -> OpGraph:
+        t0 = time.perf_counter()
+        g = to_opgraph(capture_step(model, loss_fn, optimizer, inputs, clip_grad_norm, autocast), name)
+        recapture.seconds = max(getattr(recapture, "seconds", 0.0), time.perf_counter() - t0)
         return dataclasses.replace(g, recapture=recapture)
 
-    g = to_opgraph(capture_step(model, loss_fn, optimizer, example_inputs, clip_grad_norm, autocast), name)
-    return dataclasses.replace(g, recapture=recapture)
+    @functools.lru_cache(maxsize=8)
+    def recapture(batch: int) -> OpGraph:
+        return timed(tuple(x[:batch] for x in example_inputs))
+
+    return timed(example_inputs)
 
 def _topo_groups(members: dict[str, list[Node]], group: dict[Node, str]) -> list[tuple[str, list[Node]]]:
     """Groups in an order where every group comes after the groups it reads (Kahn's algorithm)."""

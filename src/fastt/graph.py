@@ -8,7 +8,9 @@ and refer to their producers by index.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -123,6 +125,20 @@ class OpGraph:
             kinds[op.kind] = kinds.get(op.kind, 0) + 1
         return {"ops": len(self.ops), "edges": sum(len(op.inputs) for op in self.ops),
                 "flops": sum(op.flops for op in self.ops), "resident_bytes": self.resident_bytes(), **kinds}
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC: planning and simulating allocate many small tuples, and each collection walks
+    every object alive, the graphs and the captured fx modules included (bert-large on 2x4xV100: 20.1 s of
+    planning with it, 16.2 s without)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def parts(op: Op) -> tuple[int, ...]:
@@ -301,6 +317,14 @@ def without(g: OpGraph, gone: set[int]) -> OpGraph:
     return replace(g, ops=tuple(renumbered(g.ops, lambda i, op, at, new: [] if i in gone else None)[0]))
 
 
+def _renumbered_op(op: Op, inputs: tuple[int, ...], updates: tuple[int, ...]) -> Op:
+    """`replace(op, inputs=inputs, updates=updates)` without dataclasses.replace's field walk and __init__
+    (the same fields, only indices change; a fifth of planning bert-large went to `replace` here)."""
+    new = object.__new__(Op)
+    new.__dict__.update(op.__dict__, inputs=inputs, updates=updates)
+    return new
+
+
 def renumbered(ops: Sequence[Op], expand: Callable[[int, Op, int, list[int]], list[Op] | None]
                ) -> tuple[list[Op], list[int]]:
     """`ops` rebuilt in order, each reading its producers' new indices, and each op's new index (its last
@@ -310,7 +334,7 @@ def renumbered(ops: Sequence[Op], expand: Callable[[int, Op, int, list[int]], li
     new = [0] * len(ops)
     for i, op in enumerate(ops):
         ins, ups = tuple(new[j] for j in op.inputs), tuple(new[u] for u in op.updates)
-        op = op if ins == op.inputs and ups == op.updates else replace(op, inputs=ins, updates=ups)
+        op = op if ins == op.inputs and ups == op.updates else _renumbered_op(op, ins, ups)
         more = expand(i, op, len(out), new)
         out += [op] if more is None else more
         new[i] = len(out) - 1

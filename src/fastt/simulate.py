@@ -35,9 +35,7 @@ beside.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +44,7 @@ from fastt.cluster import Cluster
 from fastt.cost import MeasuredCosts, op_times
 from fastt.errors import FasttError
 from fastt.events import EventPlan, prepare, run_events
-from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths, parts
+from fastt.graph import COMPUTE, INPUT, UPDATE, OpGraph, chain_lengths, gc_paused, parts
 from fastt.links import Collective, Transfer
 from fastt.shard import ALL_GATHER, held
 from fastt.split import graph_for, splittable
@@ -107,7 +105,7 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
     t = np.asarray(times, dtype=float)
     if t.shape != (n, nd):
         raise FasttError(f"times has shape {t.shape}, expected (ops, devices) = ({n}, {nd})")
-    with _gc_paused():
+    with gc_paused():
         return _simulate(g, strategy, cluster, t, lower_bound_s, release or {})
 
 
@@ -173,19 +171,6 @@ def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, l
         lower_bound_s=lower_bound_s, device_names=tuple(dv.name for dv in cluster.devices),
         link_names=tuple(lk.name for lk in cluster.links),
         memory_trace=trace, planner=strategy.planner)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC: the loop allocates many small tuples, and each collection walks the whole
-    graph."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _memory(g: OpGraph, p: EventPlan, start: np.ndarray, end: np.ndarray, transfers: tuple[Transfer, ...],

@@ -82,6 +82,8 @@ def split_critical_path(g: OpGraph, best: Strategy, best_t: float, cluster: Clus
     """Steps 2-4 of OS-DPOS from plan `best` of graph `g` (simulated at `best_t`): the plan with the splits
     that lowered the iteration time (recorded in `splits`, on top of any `best` already had)."""
     n = len(cluster.devices)
+    if time.perf_counter() > deadline:
+        return best
     times = op_times(g, cluster, measured)
     tl = simulate(g, best, cluster, times)
     cp = {g.index[name] for name in tl.critical_path if name in g.index}

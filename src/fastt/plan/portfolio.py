@@ -4,6 +4,7 @@ judged by simulation."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..cluster import Cluster
@@ -16,81 +17,125 @@ from ..strategy import Strategy
 from .basic import zero
 from .megatron import megatron
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
-from .osdpos import DEFAULT_BUDGET_S, _judge, os_dpos
+from .osdpos import _judge, _seeds, split_critical_path
 from .search import spread_plans
 
 OPTIONAL = (*EXPERTS, "megatron", "search", "zero")  # planners that raise FasttError where they do not apply
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
-# at most this much of the budget for the spread search (as the `search` planner has); OS-DPOS's split
-# search gets the rest
+# the whole plan's default budget, the capture at batch/n included (issue 16: planning within 10 s)
+PLAN_S = 8.5
+# at most this much of the budget for the spread search (as the `search` planner has)
 SEARCH_S = 4.0
 
 
-def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = DEFAULT_BUDGET_S,
+class _Pool:
+    """The candidates so far, each judged as it comes (plans that fit first, then the fastest), and the
+    longest a plan and a judgement took, which say whether the budget left covers another."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None,
+                 deadline: float) -> None:
+        self.graph, self.cluster, self.measured, self.deadline = graph, cluster, measured, deadline
+        self.judged: list[tuple[tuple[bool, float], int, Strategy]] = []
+        self.plan_s = self.judge_s = 0.0
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def covers(self, seconds: float = 0.0) -> bool:
+        """Whether the budget left covers `seconds` more and one more plan judged."""
+        return self.left() > seconds + self.plan_s + self.judge_s
+
+    def add(self, s: Strategy) -> None:
+        t0 = time.perf_counter()
+        judged = _judge(graph_for(self.graph, s), s, self.cluster, self.measured)
+        self.judged.append((judged, len(self.judged), s))
+        self.judge_s = max(self.judge_s, time.perf_counter() - t0)
+
+    def make(self, planner: Callable[..., Strategy], *args: object, captures: bool = False,
+             **kwargs: object) -> None:
+        """Plan with `planner(graph, cluster, *args, **kwargs)` and add its plan; nothing where it does not
+        apply (FasttError: no tables, a batch that does not split, ...). A plan that `captures` the step
+        again does not count as a plan's time."""
+        t0 = time.perf_counter()
+        try:
+            s = planner(self.graph, self.cluster, *args, **kwargs)
+        except FasttError:
+            return
+        if not captures:
+            self.plan_s = max(self.plan_s, time.perf_counter() - t0)
+        self.add(s)
+
+    def best(self) -> Strategy:
+        return min(self.judged)[2]
+
+    def fits(self) -> bool:
+        return any(not misfit for (misfit, _), _, _ in self.judged)
+
+
+def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
               measured: MeasuredCosts | None = None) -> Strategy:
     """The fastest simulated of the expert plans that apply, the spread search's and OS-DPOS's, plans that fit
     first (FastT's rule, keep a plan only if it is faster, over a portfolio), data parallelism with sharded
     updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and
-    Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`): on
-    several nodes its replicas run the step at batch/nodes, another capture, so it is planned there only while
-    the budget still covers a capture as long as the one at batch/devices (gpt2 on 2x4xA100@25Gbps: without
-    it fastt's 332.2 ms against megatron's 315.0; with it 297.8). The experts plan
-    first, the spread search takes up to SEARCH_S of `budget_s` (what the `search` planner takes), and
-    OS-DPOS's split search what is left. Where none of them fits, pipelines with FINER micro-batches are
-    tried until one does (memory-bound training)."""
-    deadline = time.perf_counter() + budget_s
+    Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`).
+
+    `budget_s` bounds the whole plan, the capture of the step at batch/n that every data-parallel and mixed
+    plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism among
+    them, always made), `zero` and the experts on that capture, each while the budget left covers another
+    plan; the spread search, with at most SEARCH_S and what the rest needs left over; plans that need a
+    capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the expert
+    pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest so
+    far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
+    from the best starting plan, with what is left but two judgements. Last, the best plan with its updates
+    sharded and its splits chained, and, where no plan fits, pipelines with FINER micro-batches until one
+    does (memory-bound training: a plan that fits is worth its captures, whatever the budget)."""
+    t0 = time.perf_counter()
+    pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
-    candidates = []
     nodes = len(node_devices(cluster))
-    for name, expert in {**EXPERTS, "megatron": megatron}.items():
-        try:
-            if name == "megatron" and nodes > 1 and time.perf_counter() + capture_s >= deadline:
-                continue  # a replica a node: another capture, at batch/nodes, while the budget covers one
-            if name != "pipeline":
-                candidates.append(expert(graph, cluster, measured))
-                continue
-            # The batch cut into one shard a device: op times were measured at the batch and at its share per
-            # device (finer shards would be roofline guesses beside measured plans); the spread search's cuts
-            # are pipelines too. The expert's own cut (GPipe's micro-batches) is a capture of its own
-            # (13 s for bert-large): on roofline costs, tried while the budget covers a capture as long as
-            # the last one. (Coarser where stages outnumber its micro-batches: 8 stages on one node.)
-            candidates.append(pipeline(graph, cluster, measured, micro=_stages_per_group(cluster)))
-            if (measured is None and _stages_per_group(cluster) != MICRO_BATCHES
-                    and time.perf_counter() + capture_s < deadline):
-                candidates.append(pipeline(graph, cluster, measured))
-        except FasttError:
-            continue  # not a plan for this model or cluster (no tables, a batch that does not split, ...)
+    seeds = _seeds(graph, cluster, pool.deadline, measured)
+    judged, g, best = seeds[0]
+    pool.judged.append((judged, 0, best))
+    pool.make(zero)
+    for name, expert in EXPERTS.items():
+        if pool.covers():
+            # the pipeline cuts the batch into one shard a device: op times were measured at the batch and at
+            # its share per device; its own cut (GPipe's micro-batches) is another capture, below
+            micro = {"micro": _stages_per_group(cluster)} if name == "pipeline" else {}
+            pool.make(expert, measured, **micro)
+    if nodes == 1 and pool.covers():
+        pool.make(megatron, measured)
+    # the spread search leaves time for its two plans, OS-DPOS's split search to try a split, and the best
+    # plan's variants
+    search_s = min(SEARCH_S, pool.left() - 4 * (pool.plan_s + pool.judge_s))
     try:
-        candidates.append(zero(graph, cluster))
-    except FasttError:
-        pass  # one device, or no update that shards
-    try:
-        candidates += spread_plans(graph, cluster, measured, min(SEARCH_S, budget_s))
+        for s in spread_plans(graph, cluster, measured, search_s) if search_s > 0 else ():
+            pool.add(s)
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
-    candidates.append(os_dpos(graph, cluster, max(0.0, deadline - time.perf_counter()), measured))
-    judged = [(_judge(graph_for(graph, s), s, cluster, measured), k, s) for k, s in enumerate(candidates)]
+    if nodes > 1 and pool.covers(capture_s):
+        pool.make(megatron, measured, captures=True)  # a replica a node: another capture, at batch/nodes
+    if measured is None and _stages_per_group(cluster) != MICRO_BATCHES and pool.covers(capture_s):
+        pool.make(pipeline, measured, captures=True)  # GPipe's cut: a capture of its own
+    if len(cluster.devices) > 1 and pool.covers(2 * pool.plan_s):  # its schedule, then a split tried
+        s = split_critical_path(g, best, judged[1], cluster, pool.deadline - 2 * pool.judge_s, measured)
+        if s.splits != best.splits:
+            pool.add(s)
     # the best plan's updates sharded where it replicates them, or every plan's where none fits
-    fits = any(not misfit for (misfit, _), _, _ in judged)
-    for s in [min(judged)[2]] if fits else [s for _, _, s in judged]:
+    for s in [pool.best()] if pool.fits() else [s for _, _, s in pool.judged]:
         v = with_sharded_updates(graph, s)
         if v is not None:
-            judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
-    best = min(judged)[2]
-    v = with_chains(graph, best)
+            pool.add(v)
+    v = with_chains(graph, pool.best())
     if v is not None:  # the best plan's splits chained where their layouts agree: no join between them
-        judged.append((_judge(graph_for(graph, v), v, cluster, measured), len(judged), v))
-    for micro in FINER if not any(not misfit for (misfit, _), _, _ in judged) else ():
+        pool.add(v)
+    for micro in FINER if not pool.fits() else ():
         # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive,
         # not all of them), each cut a capture of its own, until one fits.
-        try:
-            s = pipeline(graph, cluster, measured, micro=micro)
-        except FasttError:
+        pool.make(pipeline, measured, micro=micro, captures=True)
+        if pool.fits():
             break
-        judged.append((_judge(graph_for(graph, s), s, cluster, measured), len(judged), s))
-        if not judged[-1][0][0]:
-            break
-    return replace(min(judged)[2], planner="fastt")
+    return replace(pool.best(), planner="fastt")
 
 
 def with_sharded_updates(graph: OpGraph, s: Strategy) -> Strategy | None:
@@ -123,9 +168,11 @@ def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:
-    """Seconds to capture the step at batch/n, which the data-parallel and mixed plans all read (captured
-    here, first, so that it is timed: `rebatch` keeps it); 0 where there is no such step."""
+    """Seconds another capture of the step takes: the step at batch/n, which the data-parallel and mixed plans
+    all read, is captured here, first, and timed (`rebatch` keeps it); where an earlier plan captured it
+    already, the longest capture of the step so far (`coarsen.capture_graph` records it). 0 where there is
+    no such step."""
     t0 = time.perf_counter()
     if n < 2 or graph.recapture is None or not replicable(graph, n):  # replicable captures it (or says no)
         return 0.0
-    return time.perf_counter() - t0
+    return max(time.perf_counter() - t0, getattr(graph.recapture, "seconds", 0.0))
