@@ -147,20 +147,23 @@ def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> tuple[dict[int, dic
             reads = [(x, j) for n in op.nodes for x in nodes[n].all_input_nodes if x.name not in op.nodes
                      for j in range(len(op.inputs))]
         for a, j in reads:
-            src = op.inputs[j]
-            if op.kind == UPDATE and g.ops[src].kind == ALLREDUCE:  # its replica's part, as the allreduce
-                src = g.ops[src].inputs[replica_of(op.name)]  # of every replica's parts carries it
-            p = g.ops[src]
-            if not p.split or p.kind != COMPUTE:
-                continue
-            d = out_cut(rule(p.target, p.split[0]), nodes[p.head].meta.get("val"))
-            path = alias_path(nodes[p.head], a, d, p.split[2]) if d is not None else None
-            if path is None:
-                continue
-            for v, dv in path:
-                views.setdefault(src, {})[v.name] = dv
-            if op.kind != COMPUTE:
-                renamed.setdefault(i, {})[a.name] = f"{a.name}#{p.split[1]}"
+            srcs = [op.inputs[j]]
+            if op.kind == UPDATE and g.ops[srcs[0]].kind == ALLREDUCE:
+                # every replica's part makes the view: the allreduce averages each replica's, and replicas on
+                # one device leave one update (`graph.duplicate_updates`: owt's layers in parts, 8 shards)
+                srcs = list(dict.fromkeys(g.ops[srcs[0]].inputs))
+            for src in srcs:
+                p = g.ops[src]
+                if not p.split or p.kind != COMPUTE:
+                    continue
+                d = out_cut(rule(p.target, p.split[0]), nodes[p.head].meta.get("val"))
+                path = alias_path(nodes[p.head], a, d, p.split[2]) if d is not None else None
+                if path is None:
+                    continue
+                for v, dv in path:
+                    views.setdefault(src, {})[v.name] = dv
+                if op.kind != COMPUTE:
+                    renamed.setdefault(i, {})[a.name] = f"{a.name}#{p.split[1]}"
     return views, renamed
 
 

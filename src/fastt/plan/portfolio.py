@@ -15,7 +15,7 @@ from ..shard import shardable
 from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
 from .basic import zero
-from .megatron import megatron
+from .megatron import held_in_parts, megatron
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
 from .osdpos import _judge, _seeds, split_critical_path
 from .search import spread_plans
@@ -52,7 +52,7 @@ class _Pool:
         self.judge_s = max(self.judge_s, time.perf_counter() - t0)
 
     def make(self, planner: Callable[..., Strategy], *args: object, captures: bool = False,
-             **kwargs: object) -> None:
+             **kwargs: object) -> Strategy | None:
         """Plan with `planner(graph, cluster, *args, **kwargs)` and add its plan; nothing where it does not
         apply (FasttError: no tables, a batch that does not split, ...). A plan that `captures` the step
         again does not count as a plan's time."""
@@ -60,10 +60,11 @@ class _Pool:
         try:
             s = planner(self.graph, self.cluster, *args, **kwargs)
         except FasttError:
-            return
+            return None
         if not captures:
             self.plan_s = max(self.plan_s, time.perf_counter() - t0)
         self.add(s)
+        return s
 
     def best(self) -> Strategy:
         return min(self.judged)[2]
@@ -81,8 +82,9 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
 
     `budget_s` bounds the whole plan, the capture of the step at batch/n that every data-parallel and mixed
     plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism among
-    them, always made), `zero` and the experts on that capture, each while the budget left covers another
-    plan; the spread search, with at most SEARCH_S and what the rest needs left over; plans that need a
+    them, always made), `zero` and the experts on that capture, and owt's plan with its linear layers in
+    parts over a node's devices (`megatron.held_in_parts`), each while the budget left covers another plan;
+    the spread search, with at most SEARCH_S and what the rest needs left over; plans that need a
     capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the expert
     pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest so
     far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
@@ -97,12 +99,15 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     judged, g, best = seeds[0]
     pool.judged.append((judged, 0, best))
     pool.make(zero)
+    made = {}
     for name, expert in EXPERTS.items():
         if pool.covers():
             # the pipeline cuts the batch into one shard a device: op times were measured at the batch and at
             # its share per device; its own cut (GPipe's micro-batches) is another capture, below
             micro = {"micro": _stages_per_group(cluster)} if name == "pipeline" else {}
-            pool.make(expert, measured, **micro)
+            made[name] = pool.make(expert, measured, **micro)
+    if made.get("owt") is not None and pool.covers():  # owt's linear layers in parts over a node's devices
+        pool.make(held_in_parts, made["owt"], measured)
     if nodes == 1 and pool.covers():
         pool.make(megatron, measured)
     # the spread search leaves time for its two plans, OS-DPOS's split search to try a split, and the best
