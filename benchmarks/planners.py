@@ -149,7 +149,8 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
   model by local search and an ILP that HiGHS solves; docs/design.md, "The search") and OS-DPOS's (FastT's
   algorithm, `os-dpos`). A column is "-" where an expert plan does not apply (no embedding tables, one node...).
 - Whose plan fastt kept, over the cases ("+sharded": that plan with its replicated updates sharded;
-  "chained": a plan whose splits the portfolio chained; "other": none of these): {", ".join(f"{k} {v}" for k, v in sorted(won.items())) or "-"}.
+  "chained": a plan with chained splits, its best plan's chained or owt's large linear layers in parts over a node's
+  devices (`megatron.held_in_parts`: vgg19, alexnet); "other": none of these): {", ".join(f"{k} {v}" for k, v in sorted(won.items())) or "-"}.
 - /LB is fastt's time over the simulator's lower bound (the critical path with every op on its fastest device,
   or the total work spread evenly, whichever is larger): what is left to win, at most.
 - Cases where DP does not fit: {", ".join(misfit) or "none"}.

@@ -494,3 +494,13 @@ def test_rank_0_gets_what_it_does_not_read_only_when_synced(tmp_path: Path) -> N
     assert got["truth"] > 0 and len(got["refused"]) == 3, got
     assert all("rank 1" in why and "step.sync()" in why for why in got["refused"]), got["refused"]
     assert got["diff"] <= 1e-5 and got["state_diff"] <= 1e-5, got
+
+
+def test_owt_with_its_linear_layers_in_parts_over_gloo_trains_as_eager(tmp_path: Path) -> None:
+    """vgg19's classifier in parts over 2 ranks (`megatron.held_in_parts` of owt's plan), the convolutions
+    data-parallel: each step equals eager's from the same state (rtol 1e-5)."""
+    out = tmp_path / "parts.json"
+    r = torchrun_script("distributed_parts.py", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["splits"] > 0 and got["diff"] <= 1e-5, got

@@ -82,9 +82,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
 
     `budget_s` bounds the whole plan, the capture of the step at batch/n that every data-parallel and mixed
     plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism among
-    them, always made), `zero` and the experts on that capture, and owt's plan with its linear layers in
-    parts over a node's devices (`megatron.held_in_parts`), each while the budget left covers another plan;
-    the spread search, with at most SEARCH_S and what the rest needs left over; plans that need a
+    them, always made), `zero` and the experts on that capture, each while the budget left covers another
+    plan; the spread search, with at most SEARCH_S and what the rest needs left over; owt's plan with its
+    linear layers in parts over a node's devices (`megatron.held_in_parts`: 2 s for bert-large, where the
+    search wins; 0.7 s for vgg19, where it wins); plans that need a
     capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the expert
     pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest so
     far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
@@ -106,8 +107,6 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
             # its share per device; its own cut (GPipe's micro-batches) is another capture, below
             micro = {"micro": _stages_per_group(cluster)} if name == "pipeline" else {}
             made[name] = pool.make(expert, measured, **micro)
-    if made.get("owt") is not None and pool.covers():  # owt's linear layers in parts over a node's devices
-        pool.make(held_in_parts, made["owt"], measured)
     if nodes == 1 and pool.covers():
         pool.make(megatron, measured)
     # the spread search leaves time for its two plans, OS-DPOS's split search to try a split, and the best
@@ -118,6 +117,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
             pool.add(s)
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
+    if made.get("owt") is not None and pool.covers():  # owt's linear layers in parts over a node's devices
+        pool.make(held_in_parts, made["owt"], measured)
     if nodes > 1 and pool.covers(capture_s):
         pool.make(megatron, measured, captures=True)  # a replica a node: another capture, at batch/nodes
     if measured is None and _stages_per_group(cluster) != MICRO_BATCHES and pool.covers(capture_s):
