@@ -14,13 +14,14 @@ import sys
 
 import torch
 import torch.distributed as dist
+from distributed_truth import beside_eager
 
 import fastt
 from fastt import zoo
 from fastt.plan import get_planner
 from fastt.plan.megatron import held_in_parts
 from fastt.runtime.distributed import parallelize_distributed, rank_cluster
-from fastt.runtime.reference import batch_like, eager_reference_step, max_param_rel_diff, take_state
+from fastt.runtime.reference import batch_like, max_param_rel_diff
 from fastt.strategy import Strategy
 
 STEPS = 3
@@ -48,11 +49,7 @@ def main(out: str) -> None:
     diffs = []
     for i in range(STEPS):
         step.sync()
-        b = batch_like(inputs, i)
-        if ref is not None:
-            take_state(model, opt, ref[1], ref[3])
-            eager_reference_step(ref[1], ref[2], ref[3], b, 1)
-        step(*b)
+        beside_eager(step, model, opt, ref, batch_like(inputs, i))
         step.sync()
         if ref is not None:
             diffs.append(max_param_rel_diff(ref[1], model))

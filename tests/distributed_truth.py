@@ -27,6 +27,15 @@ def make() -> tuple:
     return load_workload("mlp", "test", None, "adam")
 
 
+def beside_eager(step, model, opt, ref: tuple | None, b: tuple) -> None:
+    """One step of `step` on batch `b` and, on rank 0 (where `ref`, a second copy of the workload, is given),
+    eager's step of `ref` from the model's state before it."""
+    if ref is not None:
+        take_state(model, opt, ref[1], ref[3])
+        eager_reference_step(ref[1], ref[2], ref[3], b, 1)
+    step(*b)
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -36,11 +45,7 @@ def main(out: str) -> None:
     for i in range(STEPS):
         if i:
             step.sync()
-        b = batch_like(inputs, i)
-        if ref is not None:
-            take_state(model, opt, ref[1], ref[3])
-            eager_reference_step(ref[1], ref[2], ref[3], b, 1)
-        step(*b)
+        beside_eager(step, model, opt, ref, batch_like(inputs, i))
     refused = []
     if rank == 0:
         for read in (model.state_dict, opt.state_dict, lambda: model(*inputs[:-1])):
