@@ -303,7 +303,7 @@ def held_in_parts(graph: OpGraph, cluster: Cluster, base: Strategy,
     computes it for every shard, as Megatron cuts an MLP (the first layer by its output features, the next by
     its input features, the propagation decides), instead of one device computing every shard's whole layer.
     The rest stays where `base` runs it. vgg19 on 2x4xV100: owt's device holding classifier.0 runs its eight
-    shards' 411 MB matmuls, 20 ms more than any other device (95.8 ms a step); in four parts, 81.4 ms.
+    shards' 411 MB matmuls, 20 ms more than any other device (95.8 ms a step); in four parts, 81.6 ms.
     Only a weight of at least 1/LARGE_SHARE of the parameters is cut (vgg19's classifier.0 and .3, 74% and
     12%, not .6): owt holds every FFN of bert-large once, 1% each, and cutting them all took 3 s of planning
     for a plan slower than the search's. FasttError where `base` holds no such linear layer once, or its node
