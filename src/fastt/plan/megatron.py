@@ -188,22 +188,28 @@ def _reader(graph: OpGraph, i: int) -> object:
     return graph.ops[graph.succs[j][0]] if reader.target == CAST and graph.succs[j] else reader
 
 
-def column_seeds(graph: OpGraph) -> dict[str, int]:
-    """The column-parallel layers' weights: a 2-d parameter whose first reader (the forward's) is a matmul
-    reading it as its right operand (directly or through a transpose) with more output features than input
-    features -> its dim of output features."""
+def linear_weights(graph: OpGraph) -> dict[str, int]:
+    """The linear layers' weights: a 2-d parameter whose first reader (the forward's) is a matmul reading it
+    as its right operand (directly or through a transpose) -> its dim of output features."""
     nodes = _nodes(graph)
     out = {}
     for i, op in enumerate(graph.ops):
         if op.kind != PARAM or len(nodes[op.nodes[0]].meta["val"].shape) != 2 or not graph.succs[i]:
             continue
-        shape = nodes[op.nodes[0]].meta["val"].shape
         reader = _reader(graph, i)
         right = nodes[reader.head].args[-1] if reader.target in MATMULS else None
         d = _param_dim(nodes, op, right, 1) if isinstance(right, Node) else None
-        if d is not None and shape[d] > shape[1 - d]:
+        if d is not None:
             out[op.name] = d
     return out
+
+
+def column_seeds(graph: OpGraph) -> dict[str, int]:
+    """The column-parallel layers' weights: linear weights with more output features than input features ->
+    their dim of output features."""
+    nodes = _nodes(graph)
+    shape = {op.name: nodes[op.nodes[0]].meta["val"].shape for op in graph.ops if op.kind == PARAM}
+    return {name: d for name, d in linear_weights(graph).items() if shape[name][d] > shape[name][1 - d]}
 
 
 def _behind_views(n: Node) -> Node:
@@ -309,18 +315,11 @@ def held_in_parts(graph: OpGraph, cluster: Cluster, base: Strategy,
     for a plan slower than the search's. FasttError where `base` holds no such linear layer once, or its node
     has one device."""
     sub = rebatch(graph, graph.batch // base.replicas)
-    nodes = _nodes(sub)
     held = {name: devs[0] for name, devs in base.holders.items() if len(devs) == 1}
     large = sum(sub.ops[i].out_bytes for i in sub.of_kind(PARAM)) / LARGE_SHARE
-    seeds = {}
-    for i, op in enumerate(sub.ops):
-        if (op.kind != PARAM or op.name not in held or op.out_bytes < large
-                or len(nodes[op.nodes[0]].meta["val"].shape) != 2 or not sub.succs[i]):
-            continue
-        right = nodes[_reader(sub, i).head].args[-1] if _reader(sub, i).target in MATMULS else None
-        d = _param_dim(nodes, op, right, 1) if isinstance(right, Node) else None
-        if d is not None:  # cut by its output features; the propagation makes the next layer row-parallel
-            seeds[op.name] = d
+    # each cut by its output features; the propagation makes the next layer row-parallel
+    seeds = {name: d for name, d in linear_weights(sub).items()
+             if name in held and sub.ops[sub.index[name]].out_bytes >= large}
     if not seeds:
         raise FasttError(f"'{base.planner}' holds no large linear layer of '{graph.name}' once")
     biggest = max(seeds, key=lambda name: sub.ops[sub.index[name]].out_bytes)

@@ -138,8 +138,7 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     for micro in FINER if not pool.fits() else ():
         # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive,
         # not all of them), each cut a capture of its own, until one fits.
-        pool.make(pipeline, measured, micro=micro, captures=True)
-        if pool.fits():
+        if pool.make(pipeline, measured, micro=micro, captures=True) is None or pool.fits():
             break
     return replace(pool.best(), planner="fastt")
 

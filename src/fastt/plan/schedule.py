@@ -232,8 +232,8 @@ class Schedule:
         self.free_at = np.zeros(nd)  # when each device's last op ends
         self.last = [-1] * nd  # the op placed last on each device
         self._group: dict[int, list[int]] = {}  # each timed allreduce's devices
-        self._lat: list[list[float]] | None = None  # `arrival_at`'s latency and seconds per byte, as lists
-        self._inv: list[list[float]] = []
+        # `arrival_at`'s latency and seconds per byte, as lists
+        self._lat, self._inv = costs.latency.tolist(), costs.inv_bandwidth.tolist()
 
     def arrival(self, i: int) -> np.ndarray:
         """When all of op i's inputs can be on each device (its producers must be scheduled)."""
@@ -258,8 +258,6 @@ class Schedule:
     def arrival_at(self, i: int, d: int) -> float:
         """`arrival(i)[d]` alone, in plain floats: a policy that has fixed op i's device (`ByRank.fixed`)
         needs no other device's (numpy per op was most of `ordered`'s time on an 18k-op graph)."""
-        if self._lat is None:
-            self._lat, self._inv = self.costs.latency.tolist(), self.costs.inv_bandwidth.tolist()
         lat, inv, ops = self._lat, self._inv, self.g.ops
         t = 0.0
         for j, nbytes in self.reads[i]:
