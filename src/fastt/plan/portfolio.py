@@ -14,14 +14,15 @@ from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
 from ..shard import shardable
 from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
-from .basic import zero
+from .basic import data_parallel, zero
 from .megatron import held_in_parts, megatron
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
 from .osdpos import _judge, _seeds, split_critical_path
 from .search import spread_plans
 
 OPTIONAL = (*EXPERTS, "megatron", "search", "zero")  # planners that raise FasttError where they do not apply
-FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits
+ACCUMULATE = (2, 4, 8)  # micro-batches a device of data parallelism tried where memory binds
+FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits after those
 # the whole plan's default budget, the capture at batch/n included (issue 16: planning within 10 s)
 PLAN_S = 8.5
 # at most this much of the budget for the spread search (as the `search` planner has)
@@ -69,8 +70,16 @@ class _Pool:
     def best(self) -> Strategy:
         return min(self.judged)[2]
 
+    def fitting(self) -> int:
+        """How many plans so far fit."""
+        return sum(not misfit for (misfit, _), _, _ in self.judged)
+
     def fits(self) -> bool:
-        return any(not misfit for (misfit, _), _, _ in self.judged)
+        return self.fitting() > 0
+
+    def binds(self) -> bool:
+        """Whether memory binds: the fastest plan so far does not fit."""
+        return min(self.judged, key=lambda j: j[0][1])[0][0]
 
 
 def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
@@ -90,8 +99,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest so
     far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
     from the best starting plan, with what is left but two judgements. Last, the best plan with its updates
-    sharded and its splits chained, and, where no plan fits, pipelines with FINER micro-batches until one
-    does (memory-bound training: a plan that fits is worth its captures, whatever the budget)."""
+    sharded and its splits chained; where memory binds (the fastest plan does not fit), data parallelism and
+    `zero` over ACCUMULATE micro-batches a device (gradient accumulation) until one fits, and where still
+    nothing fits, pipelines with FINER micro-batches until one does (memory-bound training: a plan that fits
+    is worth its captures, whatever the budget)."""
     t0 = time.perf_counter()
     pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
@@ -135,6 +146,16 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     v = with_chains(graph, pool.best())
     if v is not None:  # the best plan's splits chained where their layouts agree: no join between them
         pool.add(v)
+    for k in ACCUMULATE if pool.binds() and measured is None else ():
+        # Memory binds (the fastest plan does not fit): data parallelism over k micro-batches a device, one
+        # after the other (gradient accumulation: a device holds one micro-batch's activations), its updates
+        # sharded too, each k a capture of its own, until one fits (measured op times hold for the shards
+        # they were measured at, not for micro-batches).
+        before = pool.fitting()
+        for planner in (data_parallel, zero):
+            pool.make(planner, k, captures=True)
+        if pool.fitting() > before:
+            break
     for micro in FINER if not pool.fits() else ():
         # Nothing fits: a pipeline cut finer (1F1B keeps a stage's activations of a few micro-batches alive,
         # not all of them), each cut a capture of its own, until one fits.
