@@ -97,6 +97,28 @@ def test_planner_benchmark_small(tmp_path: Path) -> None:
     assert all(f"| {m} | {c} | " in doc for m, c in itertools.product(["mlp", "lenet"], clusters))
 
 
+def test_memory_benchmark_small(tmp_path: Path) -> None:
+    """lenet at test size on 40 MB devices: each planner's largest batch, fastt's at least 1.5x DP's (it
+    accumulates gradients and pipelines where DP runs out), its samples/s the batch over its step, and fastt
+    fits twice DP's largest batch; the doc's block renders every row."""
+    summary = bench("memory", tmp_path)
+    cases = json.loads((tmp_path / "memory-small.json").read_text())["cases"]
+    assert len(cases) == 1 and cases[0]["model"] == "lenet"
+    rows = {r["planner"]: r for r in cases[0]["rows"]}
+    assert set(rows) == {"dp", "zero", "pipeline", "fastt"}
+    assert summary == {f"lenet/{cases[0]['cluster']}/{p}": r["max_batch"] for p, r in rows.items()}
+    assert rows["fastt"]["max_batch"] >= 1.5 * rows["dp"]["max_batch"] > 0
+    for r in rows.values():
+        assert r["max_batch"] % 2 == 0
+        if r["max_batch"]:
+            assert r["samples_per_s"] == pytest.approx(r["max_batch"] / r["iteration_s"])
+    twice = cases[0]["fastt_at_twice_dp"]
+    assert twice["batch"] == 2 * rows["dp"]["max_batch"] and twice["fits"] and twice["replicas"] > 2
+    block = script("memory").render(cases, "benchmarks/memory.py --small")
+    assert block.startswith("<!-- memory") and block.endswith("<!-- /memory -->")
+    assert all(f"| lenet | {cases[0]['cluster']} | {p} | {r['max_batch']} |" in block for p, r in rows.items())
+
+
 def test_runtime_benchmark_small(tmp_path: Path) -> None:
     summary = bench("runtime", tmp_path)
     out = json.loads((tmp_path / "runtime-small.json").read_text())
