@@ -327,4 +327,5 @@ def test_compare_max_batch_reports_each_planners_largest_batch(tmp_path: Path) -
     assert r.returncode == 0, r.stderr
     rows = {x["planner"]: x for x in json.loads(r.stdout)["results"]}
     assert rows["fastt"]["max_batch"] > rows["dp"]["max_batch"]
-    assert rows["fastt"]["samples_per_s"] > 0
+    assert rows["fastt"]["samples_per_s"] > 0 and "shard" in rows["fastt"]["plan"]
+    assert rows["dp"]["plan"] == "-" if rows["dp"]["max_batch"] == 0 else rows["dp"]["plan"] == "2 shards"

@@ -20,7 +20,7 @@ from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, check_bf16, measure_step
 from .errors import FasttError, Interrupted
-from .graph import OpGraph
+from .graph import OpGraph, replica_of
 from .launch import fault_spec, positive_float, positive_int, precision_option, training_options
 from .layers import where
 from .plan import PLANNERS, get_planner
@@ -159,20 +159,21 @@ def _compare_rows(models: Sequence[str], cl: Cluster, planners: Sequence[str], s
 def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str, optimizer: str | None,
                     budget_s: float | None = None, autocast: torch.dtype | None = None) -> list[dict]:
     """For each planner, the largest batch (a multiple of the device count, to within an eighth) whose plan
-    the simulator fits on `cl`, and its samples/s: doubling from the model's batch, then bisecting. Each batch
-    is a capture of its own, shared by the planners."""
+    the simulator fits on `cl`, its samples/s and what the plan is (`plan_words`): doubling from the model's
+    batch, then bisecting. Each batch is a capture of its own, shared by the planners."""
     n = len(cl.devices)
     graphs: dict[int | None, OpGraph] = {None: load_graph(model, size, None, optimizer, autocast)}
 
-    def run(b: int, p: str):  # the simulated timeline of p's plan at batch b, None where p has no plan
+    def run(b: int, p: str):  # p's plan at batch b and its simulated timeline, None where p has no plan
         if b not in graphs:
             graphs[b] = load_graph(model, size, b, optimizer, autocast)
         try:
-            return api.simulate(graphs[b], api.plan(graphs[b], cl, p, budget_s=budget_s), cl)
+            s = api.plan(graphs[b], cl, p, budget_s=budget_s)
         except FasttError:
             if p not in OPTIONAL:
                 raise
             return None
+        return s, api.simulate(graphs[b], s, cl)
     start = max(n, graphs[None].batch // n * n)
     rows = []
     for p in planners:
@@ -181,14 +182,31 @@ def largest_batches(model: str, cl: Cluster, planners: Sequence[str], size: str,
         def fits(b: int, p: str = p, t: dict = timelines) -> bool:
             if b not in t:
                 t[b] = run(b, p)
-            return t[b] is not None and t[b].fits
+            return t[b] is not None and t[b][1].fits
         lo = _largest(start, n, fits)
-        tl = timelines.get(lo)
+        s, tl = timelines.get(lo) or (None, None)
         rows.append({"model": model_name(model), "planner": p, "max_batch": lo,
                      "iteration_s": tl.iteration_s if tl else None,
                      "samples_per_s": lo / tl.iteration_s if tl else 0.0,
-                     "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes] if tl else []})
+                     "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes] if tl else [],
+                     "plan": plan_words(s) if s else "-"})
     return rows
+
+
+def plan_words(s: Strategy) -> str:
+    """What a plan at a memory-bound batch is, in a few words: the shards of the batch it runs, the most of
+    them one device runs (more than one: micro-batches, one after the other, as gradient accumulation and
+    pipelines run them), and whether its updates are sharded."""
+    per_device: dict[int, set[int]] = {}
+    for name, d in s.placement.items():
+        per_device.setdefault(d, set()).add(replica_of(name))
+    most = max(map(len, per_device.values()), default=1)
+    words = [f"{s.replicas} shard{'s' * (s.replicas > 1)}"]
+    if most > 1:
+        words.append(f"{most} micro-batches a device")
+    if s.sharded:
+        words.append("updates sharded")
+    return ", ".join(words)
 
 
 def _largest(start: int, n: int, fits) -> int:
@@ -210,13 +228,13 @@ def format_largest(rows: list[dict], cl: Cluster) -> str:
     dp = {r["model"]: r for r in rows if r["planner"] == "dp"}
     out = [(f"largest batch that fits on {cl.name} "
             f"({len(cl.devices)} x {_gb(cl.devices[0].memory_bytes):g} GB), simulated"),
-           f"{'model':<12}{'planner':<12}{'max batch':>10}{'iter ms':>10}{'samples/s':>11}{'vs DP':>8}"]
+           f"{'model':<12}{'planner':<12}{'max batch':>10}{'iter ms':>10}{'samples/s':>11}{'vs DP':>8}  plan"]
     for r in rows:
         base = dp.get(r["model"])
         vs = f"{r['max_batch'] / base['max_batch']:.2f}x" if base and base["max_batch"] else "-"
         it = f"{r['iteration_s'] * 1e3:.1f}" if r["iteration_s"] else "-"
         out.append(f"{r['model']:<12}{r['planner']:<12}{r['max_batch']:>10}{it:>10}"
-                   f"{r['samples_per_s']:>11.1f}{vs:>8}")
+                   f"{r['samples_per_s']:>11.1f}{vs:>8}  {r['plan']}")
     return "\n".join(out)
 
 
