@@ -132,8 +132,7 @@ def main() -> None:
     (a.out / ("memory-small.json" if a.small else "memory.json")).write_text(json.dumps({"cases": cases}, indent=1))
     if not a.small:
         write_doc(doc, render(cases, "benchmarks/memory.py"))
-    by = {(c["model"], c["cluster"], r["planner"]): r["max_batch"] for c in cases for r in c["rows"]}
-    print(json.dumps({f"{m}/{c}/{p}": b for (m, c), p, b in ((k[:2], k[2], v) for k, v in by.items())}))
+    print(json.dumps({f"{c['model']}/{c['cluster']}/{r['planner']}": r["max_batch"] for c in cases for r in c["rows"]}))
 
 
 if __name__ == "__main__":
