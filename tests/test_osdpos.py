@@ -11,7 +11,7 @@ import fastt
 from fastt import zoo
 from fastt.errors import FasttError
 from fastt.plan import PLANNERS, graph_for
-from fastt.plan.osdpos import os_dpos, split_critical_path
+from fastt.plan.osdpos import _seeds, os_dpos, split_critical_path
 from fastt.plan.portfolio import OPTIONAL
 from fastt.strategy import Strategy
 
@@ -119,6 +119,22 @@ def test_fastt_keeps_to_a_budget_that_counts_the_capture() -> None:
     s.validate(graph_for(g, s))
     assert (fastt.simulate(g, s, cl).iteration_s
             <= fastt.simulate(g, fastt.plan(g, cl, "dp"), cl).iteration_s * (1 + 1e-9))
+
+
+def test_fastt_seeds_keep_to_its_budget_data_parallelism_and_one_device_first() -> None:
+    """Inside fastt's portfolio the starting plans keep to the budget: with none left, data parallelism and one
+    device only (gnmt on 4x1xV100@10Gbps: one device is its best plan, and the list schedulers took 4.5 s);
+    with time, the same seeds as OS-DPOS's."""
+    w = zoo.get("mlp", "test")
+    g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
+    cl = fastt.cluster("2xV100")
+    none_left = _seeds(g, cl, time.perf_counter(), None, bounded=True)
+    assert sorted((s.replicas, len(set(s.placement.values()))) for _, _, s in none_left) == [(1, 1), (2, 2)]
+    far = time.perf_counter() + 600
+
+    def seeds(bounded: bool) -> list:
+        return sorted((j, len(gr.ops), s.to_json()) for j, gr, s in _seeds(g, cl, far, None, bounded=bounded))
+    assert seeds(True) == seeds(False) and len(seeds(False)) == 8  # 6 on the plain graph, DP, DPOS on DP's
 
 
 @settings(max_examples=60, deadline=None)

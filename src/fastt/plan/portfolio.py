@@ -90,14 +90,14 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`).
 
     `budget_s` bounds the whole plan, the capture of the step at batch/n that every data-parallel and mixed
-    plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism among
-    them, always made), `zero` and the experts on that capture, each while the budget left covers another
-    plan; the spread search, with at most SEARCH_S and what the rest needs left over; owt's plan with its
-    linear layers in parts over a node's devices (`megatron.held_in_parts`: 2 s for bert-large, where the
-    search wins; 0.7 s for vgg19, where it wins); plans that need a
-    capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the expert
-    pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest so
-    far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
+    plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism first and
+    always made, the others while the budget left covers another), `zero` and the experts on that capture,
+    each while the budget left covers another plan; the spread search, with at most SEARCH_S and what the rest
+    needs left over; owt's plan with its linear layers in parts over a node's devices
+    (`megatron.held_in_parts`: 2 s for bert-large, where the search wins; 0.7 s for vgg19, where it wins);
+    plans that need a capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the
+    expert pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest
+    so far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
     from the best starting plan, with what is left but two judgements. Last, the best plan with its updates
     sharded and its splits chained; where memory binds (the fastest plan does not fit), data parallelism and
     `zero` over ACCUMULATE micro-batches a device (gradient accumulation) until one fits, and where still
@@ -107,7 +107,7 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
     nodes = len(node_devices(cluster))
-    seeds = _seeds(graph, cluster, pool.deadline, measured)
+    seeds = _seeds(graph, cluster, pool.deadline, measured, bounded=True)  # data parallelism first
     judged, g, best = seeds[0]
     pool.judged.append((judged, 0, best))
     pool.make(zero)
