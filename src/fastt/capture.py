@@ -462,7 +462,8 @@ def _read_inputs_not_their_clones(gm: GraphModule) -> None:
     """Where the step reads a plain clone of an input that it neither returns, writes nor aliases, read the
     input itself. `_step_fn` runs torch.optim's in-place update on clones of the parameters and state, and
     functionalize turns its ops into pure ones, so each such clone is an exact copy that is only read: one
-    more copy of every parameter and state a step, which eager's in-place update never makes."""
+    more copy of every parameter and state a step, which eager's in-place update never makes. The graph only:
+    the caller recompiles `gm` (`_scalar_inputs` does; a recompile of gnmt's 20000 nodes takes 0.2 s)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = set(out.all_input_nodes)
     for n in list(gm.graph.nodes):
@@ -470,7 +471,6 @@ def _read_inputs_not_their_clones(gm: GraphModule) -> None:
                 and n not in returned and all(_only_reads(u, n) for u in n.users)):
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
-    gm.recompile()
 
 
 def _only_reads(user: torch.fx.Node, value: torch.fx.Node) -> bool:
