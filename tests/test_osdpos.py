@@ -123,8 +123,8 @@ def test_fastt_keeps_to_a_budget_that_counts_the_capture() -> None:
 
 def test_fastt_seeds_keep_to_its_budget_data_parallelism_and_one_device_first() -> None:
     """Inside fastt's portfolio the starting plans keep to the budget: with none left, data parallelism and one
-    device only (gnmt on 4x1xV100@10Gbps: one device is its best plan, and the list schedulers took 4.5 s);
-    with time, the same seeds as OS-DPOS's."""
+    device only (gnmt on 4x1xV100@10Gbps: one device is its best plan; on 8 devices DPOS and the list
+    schedulers took 4.5 s); with time, the same seeds as OS-DPOS's."""
     w = zoo.get("mlp", "test")
     g = fastt.capture(w.model, w.loss_fn, w.optimizer, w.example_inputs, name="mlp")
     cl = fastt.cluster("2xV100")
