@@ -154,6 +154,25 @@ def test_data_parallel_takes_the_eager_step(name: str, optimizer: str) -> None:
         assert_same(ref, ours, scaled=True)
 
 
+@pytest.mark.parametrize("planner", ["single", "dp"])
+def test_the_simulated_step_counts_the_host_work_that_leaves_training_as_it_was(planner: str) -> None:
+    """`step.simulated_s` is the simulator's device time plus the host work of a step outside its segments
+    (`host_seconds`: a dry run of it, measured), which changes nothing: the steps around it still train as the
+    plain one-device eager step does (SGD's momentum: its state is handed over too)."""
+    ref, ours = pair("mlp")
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", planner)
+    for i in range(3):
+        batch = fresh_batch(ref, i)
+        expected = eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, 1)
+        t0 = time.perf_counter()
+        torch.testing.assert_close(step(*batch), expected, rtol=1e-5, atol=1e-6)
+        wall = time.perf_counter() - t0
+        host = step.host_seconds(batch)
+        assert 0 < host < wall
+        assert step.simulated_s == step.placed.simulated_s + step.host_seconds(ours.example_inputs)
+        assert_same(ref, ours, scaled=planner == "dp")  # the replicas' mean sums in another order
+
+
 def test_a_profiled_step_takes_the_eager_step_and_its_busy_times_lie_within_it() -> None:
     """`step.profiled` (what `fastt run` reports each device's busy time from) is the step itself, timed."""
     ref, ours = pair("mlp")

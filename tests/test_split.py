@@ -219,6 +219,24 @@ def test_rule_matches_whole_op(target: Any, make: Case) -> None:
     assert tried, f"no rule of {target} applies to this case"
 
 
+def test_matmul_parts_read_a_transposed_weight_as_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear layer's weight reaches addmm transposed: its parts read their slices as views, never copies
+    (a copy of a transposed slice costs four times the part's product), and still join to the whole op."""
+    import fastt.split as sp
+
+    torch.manual_seed(0)
+    bias, x, weight = r(16), r(8, 12), r(16, 12)
+    args = [bias, x, weight.t()]
+    seen: list[torch.Tensor] = []
+    run = sp._call
+    monkeypatch.setattr(sp, "_call", lambda target, a, kw: (seen.extend(_tensors(a)), run(target, a, kw))[1])
+    storages = {t.untyped_storage().data_ptr() for t in (bias, x, weight)}
+    for dim in RULES[aten.addmm.default]:
+        seen.clear()
+        _close(run_split(aten.addmm.default, args, {}, dim, 2), aten.addmm.default(*args))
+        assert {t.untyped_storage().data_ptr() for t in seen} <= storages, dim
+
+
 def test_every_rule_is_tested() -> None:
     """Each (op, dim) of the table is exercised by some case, and each case with uneven parts."""
     torch.manual_seed(0)

@@ -63,7 +63,10 @@ class SplitSpec:
     past the end and non-tensor args are whole too). `outs[k]`: ("cat", dim) or ("sum",) for output k.
     `sizes`: (arg position, list index) entries set to the part's length (convolution_backward's bias_sizes).
     `later`: keyword args set on every part but the first (a bias added once: beta=0). `valid(args, kwargs)`:
-    whether the split is exact for these arguments (real or fake tensors).
+    whether the split is exact for these arguments (real or fake tensors). `views`: the parts read their
+    slices as strided views, not contiguous copies (BLAS takes a matrix at any strides: a linear layer's
+    weight reaches addmm transposed, and a contiguous copy of its slice along the reduction took 4.3 ms where
+    the part's product took 0.9).
     """
 
     args: tuple[ArgDim, ...]
@@ -71,6 +74,7 @@ class SplitSpec:
     sizes: tuple[tuple[int, int], ...] = ()
     later: tuple[tuple[str, object], ...] = ()
     valid: Valid | None = None
+    views: bool = False
 
 
 def _arg(args: Sequence[Any], pos: int, default: Any = None) -> Any:
@@ -145,7 +149,7 @@ def _matmul(bias: bool, batched: bool) -> dict[str, SplitSpec]:
     o = 1 if batched else 0  # offset of the matrix dims
 
     def spec(bias_dim: ArgDim, left: ArgDim, right: ArgDim, out: tuple, **kw: Any) -> SplitSpec:
-        return SplitSpec(args=((bias_dim,) if bias else ()) + (left, right), outs=(out,), **kw)
+        return SplitSpec(args=((bias_dim,) if bias else ()) + (left, right), outs=(out,), views=True, **kw)
     rules = {
         "rows": spec(Bcast(o), o, None, ("cat", o)),
         "cols": spec(Bcast(o + 1), None, o + 1, ("cat", o + 1)),
@@ -305,15 +309,21 @@ def run_part(target: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, di
                          f"(length {size}; 0 means the rule does not apply)")
     dims = slice_dims(spec, ref)
     # Parts get contiguous slices, as a split node would hand them over (some CPU kernels, layer norm's
-    # backward among them, misread strided statistics); a slice along dim 0 stays a view, so in-place updates
-    # land.
-    part_args = [torch.tensor_split(a, parts, d)[k].contiguous() if d is not None and pos not in given else a
+    # backward among them, misread strided statistics), unless the rule takes views (`SplitSpec.views`); a
+    # slice along dim 0 stays a view, so in-place updates land.
+    part_args = [_part(a, parts, d, k, spec.views) if d is not None and pos not in given else a
                  for pos, (a, d) in enumerate(zip(args, dims))]
     length = len(torch.tensor_split(torch.arange(size), parts)[k])
     for pos, idx in spec.sizes:
         if part_args[pos] is not None:
             part_args[pos] = [length if i == idx else s for i, s in enumerate(part_args[pos])]
     return _call(target, part_args, {**kwargs, **dict(spec.later)} if k else kwargs)
+
+
+def _part(a: torch.Tensor, parts: int, dim: int, k: int, view: bool) -> torch.Tensor:
+    """Slice k of `parts` of `a` along `dim`: a view, or contiguous."""
+    x = torch.tensor_split(a, parts, dim)[k]
+    return x if view else x.contiguous()
 
 
 def _call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

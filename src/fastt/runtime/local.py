@@ -27,7 +27,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
@@ -496,32 +496,80 @@ def run_step(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
     `budgets` (the placed plan's) are what a device that runs out of memory is said to have needed. `spans`
     (on CPU, with `timings`) collects (segment or None, device, start, end) of the same, in `perf_counter`
     seconds."""
+    run = _begin(low, programs, params, buffers, states, batch, hypers, threads_per_device, timings, meter,
+                 budgets, spans)
+    _on_devices(run, run.device)
+    return _results(run, params)
+
+
+def host_work(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
+              buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+              batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int = 1) -> None:
+    """What `run_step` does on the host around its devices' segments, the segments left out: the replicas'
+    tables, the prelude, the devices' threads started and joined, the results gathered, with the step's
+    inputs standing for its results (the new parameters and state are the old). Timed by
+    `ParallelStep.host_seconds`: the simulator times the devices' work, not this."""
+    run = _begin(low, programs, params, buffers, states, batch, hypers, threads_per_device, None)
+    _on_devices(run, lambda d: None)
+    out, n = programs.outputs, len(low.step.param_names)
+    given = dict(zip(out[1 + n:], [*params, *(s for ss in states for s in ss)]))
+    given[out[0]] = torch.zeros(())
+    for env in run.envs:
+        for name, x in given.items():
+            if name in low.joined:  # a chained update's parts
+                dim, parts = low.joined[name]
+                env.update({f"{name}#{k}": y for k, y in enumerate(
+                    [x] if dim < 0 else torch.tensor_split(x, parts, dim))})
+            else:
+                env[name] = x
+    _results(run, params)
+
+
+def _begin(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
+           buffers: Sequence[torch.Tensor], states: Sequence[Sequence[torch.Tensor]],
+           batch: Sequence[torch.Tensor], hypers: Sequence[float], threads_per_device: int,
+           timings: list | None, meter: StorageMeter | None = None, budgets: Sequence[Budget] = (),
+           spans: list | None = None) -> _Run:
+    """A step's state, its replicas' tables made and the prelude run, its streams after the caller's."""
     envs = replica_envs(low, programs, params, buffers, states, batch, hypers)
     run = _Run(low, programs, envs, threads_per_device, timings, meter, budgets, spans)
     with torch.no_grad():
         for env in envs:
             for name in low.prelude:
                 run.call(name, env)
-    gpus = list(dict.fromkeys(programs.targets)) if programs.cuda else []
     for stream, dev in zip(programs.streams, programs.targets):  # after what the caller queued (the batch)
         stream.wait_stream(torch.cuda.current_stream(dev))
+    return run
+
+
+def _on_devices(run: _Run, device: Callable[[int], None]) -> None:
+    """`device(d)` for every device: one CPU device on this thread, else a thread each."""
+    programs = run.programs
     if len(programs.devices) == 1 and not programs.cuda:
         # One CPU device (a one-device plan with every core, as plain eager PyTorch runs): on this thread,
         # whose OpenMP pool stays warm between steps. A fresh thread a step ran it up to 1.6 times as slowly
         # after a data-parallel step (transformer, test size: 201.7 against 126.2 ms, eager 111.5).
         grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
         try:
-            run.device(0)
+            device(0)
         finally:
             torch.set_grad_enabled(grad)
             torch.set_num_threads(threads)
     else:
-        workers = [threading.Thread(target=run.device, args=(d,), daemon=True)
+        workers = [threading.Thread(target=device, args=(d,), daemon=True)
                    for d in range(len(programs.devices))]
         for w in workers:
             w.start()
         for w in workers:
             w.join()
+
+
+def _results(run: _Run, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                                  list[torch.Tensor]]:
+    """Once every device has run: the GPUs synchronized, the first error raised, the timings read, and the
+    step's (loss, new parameters, new optimizer state tensors) on the parameters' device."""
+    low, programs, envs, timings = run.low, run.programs, run.envs, run.timings
+    gpus = list(dict.fromkeys(programs.targets)) if programs.cuda else []
     try:
         for dev in gpus:
             torch.cuda.synchronize(dev)
