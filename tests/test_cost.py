@@ -154,6 +154,30 @@ def test_measure_with_busy_neighbours_times_the_same_ops(mlp) -> None:
     assert all(torch.equal(before[k], v) for k, v in w.model.state_dict().items())
 
 
+def test_a_part_never_measured_costs_its_share_of_the_measured_whole(mlp) -> None:
+    """A split op's parts are not in the measured table: each costs its launch plus its share of the whole
+    op's measured time (not the roofline, whose level a CPU's convolutions miss twentyfold); uneven parts
+    in proportion, and on a cluster the costs were not measured for, the roofline as before."""
+    from fastt.split import split
+
+    _, g, costs, _ = mlp
+    cl = calibrate_cpu(cpu_cluster(2))
+    i = next(i for i, op in enumerate(g.ops) if op.target.startswith("aten.addmm") and op.signature)
+    nodes = {n.name: n for n in g.fx.gm.graph.nodes}
+    n_cols = nodes[g.ops[i].head].meta["val"].shape[1]
+    parts = 3 if n_cols % 3 else 5  # uneven parts
+    gs = split(g, g.ops[i].name, "cols", parts)
+    sub = [k for k, op in enumerate(gs.ops) if op.split and op.name.startswith(g.ops[i].name + "#")]
+    t, oh = op_times(gs, cl, costs), cl.devices[0].op_overhead_s
+    whole = costs.seconds[g.ops[i].signature]
+    shares = [gs.ops[k].flops / g.ops[i].flops for k in sub]
+    assert len(sub) == parts and len(set(shares)) == 2 and sum(shares) == pytest.approx(1.0)
+    for k, share in zip(sub, shares):
+        assert t[k, 0] == pytest.approx(oh + (whole - oh) * share, rel=1e-5)  # the share: 6 digits
+    gpu = cluster("2xV100")
+    assert np.allclose(op_times(gs, gpu, costs)[sub], op_times(gs, gpu)[sub])
+
+
 def test_measure_needs_a_captured_graph() -> None:
     with pytest.raises(FasttError, match="not captured"):
         fastt.cost.measure(OpGraph(ops=()), [])

@@ -166,6 +166,18 @@ def chain_lengths(graph: OpGraph, weight: Sequence[float]) -> list[float]:
     return best
 
 
+def part_signature(whole: str, dim: str, share: float) -> str:
+    """The signature of a part of a split op: the whole op's, the dim and the part's share of it ("" where
+    the whole has none). `whole_share` reads them back."""
+    return f"{whole}|{dim}:{share:.6g}" if whole else ""
+
+
+def whole_share(signature: str) -> tuple[str, float] | None:
+    """(the whole op's signature, the part's share of it) of a part's signature, else None."""
+    whole, bar, rest = signature.rpartition("|")
+    return (whole, float(rest.rpartition(":")[2])) if bar and whole else None
+
+
 def rebatch(graph: OpGraph, batch: int) -> OpGraph:
     """The same step captured at another batch size."""
     if batch == graph.batch:

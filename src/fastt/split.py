@@ -33,6 +33,7 @@ from .graph import (
     Op,
     OpGraph,
     data_parallel_graph,
+    part_signature,
     renumbered,
     replica_of,
     without,
@@ -522,7 +523,8 @@ def _parts(graph: OpGraph, o: Op, dim: str, parts: int, at: int) -> list[Op]:
     spec = RULES[_BY_NAME.get(o.target)][dim]
     lay = _layout(graph, o, dim, parts)
     subs = [replace(o, name=f"{o.name}#{k}", in_bytes=lay.in_bytes[k], out_bytes=lay.out_bytes[k],
-                    flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,), signature="",
+                    flops=o.flops * lay.shares[k], io_bytes=lay.io_bytes[k], nodes=(o.head,),
+                    signature=part_signature(o.signature, dim, lay.shares[k]),
                     split=(dim, k, parts), out_parts=(), returned=())
             for k in range(parts)]  # a part's results are one storage; the join makes the op's
     kinds = {h[0] for h in spec.outs}
