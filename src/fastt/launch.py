@@ -342,8 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
         if os.environ.get("FASTT_DEBUG") == "1":  # as the fastt command: the traceback too
             traceback.print_exc()
-        if rank == 0:
-            await_reports()
+        await_reports(25.0 if rank == 0 else 5.0)  # rank 0 may host the store the others read
         os._exit(1)
     if out is not None:
         if args.out:

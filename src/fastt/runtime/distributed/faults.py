@@ -94,16 +94,19 @@ def failure_recorded() -> bool:
 
 
 def await_reports(wait_s: float = 25.0) -> None:
-    """Before a failed rank 0 exits: wait (at most `wait_s`) until every other rank has recorded its failure
-    or stopped beating. Started without torchrun, rank 0 hosts the store, where the others read the job's
-    first failure and the heartbeats that name a dead rank (a collective does not say which of its ranks is
-    gone, and a rank may only learn of it when a survivor next to it exits)."""
+    """Before a failed rank exits: wait (at most `wait_s`) until every other rank has recorded its failure or
+    stopped beating. Started without torchrun, rank 0 hosts the store, where the others read the job's first
+    failure and the heartbeats that name a dead rank (a collective does not say which of its ranks is gone,
+    and a rank may only learn of it when a survivor next to it exits); under torchrun the agent stops every
+    rank once one has exited, so a rank that exited at once could have a peer stopped before it said what it
+    saw (rank 0, losing rank 1 in an allreduce on a loaded machine, was killed before it printed)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
         deadline = time.monotonic() + wait_s
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
         while time.monotonic() < deadline:
-            missing = [r for r in range(1, dist.get_world_size()) if not store.check([_failed_key(r)])]
+            missing = [r for r in others if not store.check([_failed_key(r)])]
             if set(missing) <= set(silent_ranks(store, missing)):
                 return
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
