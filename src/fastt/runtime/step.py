@@ -80,12 +80,12 @@ class ParallelStep(PlacedStep):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph, cl: Cluster,
                  costs: MeasuredCosts, placed: Placed, threads_per_device: int,
-                 tuner: Tuner | None = None, example: Sequence[torch.Tensor] | None = None) -> None:
+                 example: Sequence[torch.Tensor], tuner: Tuner | None = None) -> None:
         self.model, self.optimizer, self.graph, self.cluster = model, optimizer, graph, cl
         self.costs, self.placed, self.threads_per_device = costs, placed, threads_per_device
         self.tuner = tuner
         self.meter: StorageMeter | None = None  # set while `memory.measured_peaks` measures a step
-        self.example = example  # a batch the step takes, for `host_seconds`
+        self.example = example  # a batch the step takes: `host_seconds` runs its dry run on it
         self._host: tuple = (None, 0.0)  # (the programs it was measured for, `host_seconds`)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -141,22 +141,22 @@ class ParallelStep(PlacedStep):
     @property
     def simulated_s(self) -> float:
         """The simulated step: the simulator's time for the devices' work, plus what the step does on the host
-        before and after it (`host_seconds`, measured once per plan where the step knows an example batch)."""
-        host = self.host_seconds(self.example) if self.example is not None else 0.0
-        return self.placed.simulated_s + host
+        before and after it (`host_seconds`, measured once per plan)."""
+        return self.placed.simulated_s + self.host_seconds()
 
-    def host_seconds(self, batch: Sequence[torch.Tensor], runs: int = 5) -> float:
+    def host_seconds(self, runs: int = 5) -> float:
         """Seconds a step of the running plan spends on the host, outside its devices' segments: checking and
         reading its inputs, the replicas' tables, starting and joining the devices' threads, gathering and
-        handing over the results (`local.host_work`: the segments left out). The median of `runs`, once per
-        plan. The model and the optimizer are left as they were. A real step pays more there (measured,
-        resnet50 at test size on cpu:2: 2.9 ms against 1.9 on one device, 3.7 against 2.9 under data
-        parallelism): after its devices' work the host's caches are cold, and the old parameters are freed."""
+        handing over the results (`local.host_work`: the segments left out), on the example batch. The median
+        of `runs`, once per plan. The model and the optimizer are left as they were. A real step pays more
+        there (measured, resnet50 at test size on cpu:2: 2.9 ms against 1.9 on one device, 3.7 against 2.9
+        under data parallelism): after its devices' work the host's caches are cold, and the old parameters
+        are freed."""
         programs = self.placed.programs
         if self._host[0] is not programs:
             def once() -> float:
                 t0 = time.perf_counter()
-                params, buffers, states, b, hypers = self._arguments(batch)
+                params, buffers, states, b, hypers = self._arguments(self.example)
                 host_work(self.lowered, programs, params, buffers, states, b, hypers, self.threads_per_device)
                 self._written(params, [p.data for p in params], [x for xs in states for x in xs])
                 return time.perf_counter() - t0
@@ -234,7 +234,7 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
 
     def placed(s: Strategy, tuning: Tuner | None = None) -> ParallelStep:
         return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs),
-                            threads, tuning, example_inputs)
+                            threads, example_inputs, tuning)
 
     step = placed(chosen.strategy, tuner)
     alone = None if cuda or n < 2 else lambda: all_cores(model, optimizer, graph, example_inputs)
@@ -272,7 +272,7 @@ def all_cores(model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: O
     costs = measure_step(graph, model, optimizer, example_inputs, [graph.batch], threads, 1)
     return ParallelStep(model, optimizer, graph, one, costs,
                         place(graph, single_device(graph, one), one, costs),
-                        threads, example=example_inputs)
+                        threads, example_inputs)
 
 
 def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:
