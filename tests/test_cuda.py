@@ -34,7 +34,7 @@ from fastt.cluster import cluster
 from fastt.plan.common import strategy_from
 from fastt.runtime import parallelize
 from fastt.runtime.bench import run_planners
-from fastt.runtime.reference import batch_like, eager_dp_step, eager_reference_step, eager_step
+from fastt.runtime.reference import batch_like, eager_reference_step, eager_step
 from fastt.split import split
 from fastt.strategy import Split
 
@@ -120,17 +120,21 @@ def test_batch_norm_models_train_as_eager_step_by_step(name: str, devices: str, 
     assert max(diffs) < RTOL
 
 
-def test_data_parallel_on_two_streams_matches_eager_data_parallel() -> None:
+def test_data_parallel_on_two_streams_trains_as_eager() -> None:
+    """bert-base's loss is a masked mean, so data parallelism weighs each replica's mean by its labelled tokens
+    (`fastt.loss`) and trains as the plain one-device step over the whole batch does. (An eager emulation that
+    averages the replicas' means is another loss: against it this plan differed by 0.87, H100, 2026-12-05.)"""
     ref, ours = pair("bert-base")
     step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cuda:0,0", "dp")
     assert step.strategy.replicas == 2
     for i in range(10):
         b = batch(ref, i)
-        eager_dp_step(ref.model, ref.loss_fn, ref.optimizer, b, 2)
-        step(*b)
-    diff = rel_diff(ref, ours)
-    print(f"\nbert-base cuda:0,0 dp: 10 steps, largest relative difference {diff:.2e}")
-    assert diff < RTOL
+        expected = eager_step(ref.model, ref.loss_fn, ref.optimizer, b)
+        torch.testing.assert_close(step(*b), expected, rtol=RTOL, atol=1e-5)
+    print(f"\nbert-base cuda:0,0 dp: 10 steps, largest relative difference {rel_diff(ref, ours):.2e}")
+    # Attention's key biases get no gradient in exact arithmetic: they hold rounding noise (1e-12 after 10
+    # steps on the CPU), which the replicas' sums round otherwise. atol leaves that noise out.
+    torch.testing.assert_close(ours.model.state_dict(), ref.model.state_dict(), rtol=RTOL, atol=1e-6)
 
 
 @pytest.mark.usefixtures("same_kernels")
