@@ -1,5 +1,6 @@
 """The local runtime: one thread per device (a CPU worker device or a CUDA stream), each running its program
-strictly in order.
+strictly in order. The threads live as long as the process (`Workers`): device d runs on the same thread every
+step.
 
 The programs are `programs.compile_programs`' segments. A segment starts when every op it waits for has
 finished (a thread waits on one event per op, never on the device order of others); torch releases the GIL
@@ -23,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import linecache
 import operator
+import os
+import queue
 import re
 import threading
 import time
@@ -543,12 +546,11 @@ def _begin(low: Lowered, programs: Programs, params: Sequence[torch.Tensor],
 
 
 def _on_devices(run: _Run, device: Callable[[int], None]) -> None:
-    """`device(d)` for every device: one CPU device on this thread, else a thread each."""
+    """`device(d)` for every device: one CPU device on this thread, else each on its worker thread."""
     programs = run.programs
     if len(programs.devices) == 1 and not programs.cuda:
         # One CPU device (a one-device plan with every core, as plain eager PyTorch runs): on this thread,
-        # whose OpenMP pool stays warm between steps. A fresh thread a step ran it up to 1.6 times as slowly
-        # after a data-parallel step (transformer, test size: 201.7 against 126.2 ms, eager 111.5).
+        # whose OpenMP pool stays warm between steps, as eager's does.
         grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
         try:
             device(0)
@@ -556,12 +558,55 @@ def _on_devices(run: _Run, device: Callable[[int], None]) -> None:
             torch.set_grad_enabled(grad)
             torch.set_num_threads(threads)
     else:
-        workers = [threading.Thread(target=device, args=(d,), daemon=True)
-                   for d in range(len(programs.devices))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        WORKERS.run(device, len(programs.devices))
+
+
+class Workers:
+    """The devices' threads, kept from step to step: device d's work runs on thread d every step, so what a
+    thread keeps stays warm, and no thread is started per step. PyTorch keeps cuDNN's convolution plans per
+    thread (`thread_local` in ATen's Conv_v8.cpp): on a fresh thread every step, every convolution's plan was
+    made again every step. On the CPU a thread keeps its OpenMP pool (a fresh thread a step ran a one-device
+    transformer step 1.6 times as slowly: 201.7 against 126.2 ms). One step at a time runs on them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inboxes: list[queue.SimpleQueue] = []
+
+    def run(self, device: Callable[[int], None], n: int) -> None:
+        """`device(d)` on thread d for d < n, returning once all have; the first exception one raised is
+        raised here."""
+        with self.lock:
+            while len(self.inboxes) < n:
+                inbox: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(inbox,), name=f"fastt-device-{len(self.inboxes)}",
+                                 daemon=True).start()
+                self.inboxes.append(inbox)
+            done, errors = [Latch() for _ in range(n)], []
+            for d in range(n):
+                self.inboxes[d].put((device, d, done[d], errors))
+            for latch in done:
+                latch.wait()
+        if errors:
+            raise errors[0]
+
+    def forget(self) -> None:
+        """After a fork: the child has none of the parent's threads."""
+        self.lock, self.inboxes = threading.Lock(), []
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while True:
+        device, d, done, errors = inbox.get()
+        try:
+            device(d)
+        except BaseException as e:  # noqa: BLE001 - raised on the thread that ran the step
+            errors.append(e)
+        finally:
+            done.set()
+
+
+WORKERS = Workers()
+os.register_at_fork(after_in_child=WORKERS.forget)
 
 
 def _results(run: _Run, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor],
