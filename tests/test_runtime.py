@@ -214,6 +214,39 @@ def test_a_latch_wakes_every_waiter_once_set_however_often_it_is_set() -> None:
         latch.wait()  # set: returns at once
 
 
+def test_each_device_runs_on_its_own_thread_every_step() -> None:
+    """What a thread keeps (cuDNN's convolution plans, an OpenMP pool) stays warm from step to step: device d's
+    work runs on the same thread in every step, one thread a device, none of them the caller's; a device that
+    raises does not stop the others, its error reaches the caller, and the next step runs as before."""
+    import threading
+
+    from fastt.runtime.local import WORKERS
+
+    def on(seen: dict, fail: int = -1):
+        def device(d: int) -> None:
+            seen[d] = threading.get_ident()
+            if d == fail:
+                raise ValueError("device 1 failed")
+        return device
+
+    steps = [{}, {}, {}]
+    WORKERS.run(on(steps[0]), 3)
+    with pytest.raises(ValueError, match="device 1 failed"):
+        WORKERS.run(on(steps[1], fail=1), 3)
+    WORKERS.run(on(steps[2]), 2)
+    assert steps[0] == steps[1] and steps[2] == {d: steps[0][d] for d in range(2)}
+    assert len(set(steps[0].values())) == 3 and threading.get_ident() not in steps[0].values()
+    w = zoo.get("mlp", "test")
+    step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", "dp", trial=False)
+    seen: list[set[int]] = []
+    for i in range(2):
+        before = {t.ident for t in threading.enumerate()}
+        step(*fresh_batch(w, i))
+        seen.append({t.ident for t in threading.enumerate()} - before)
+    assert seen[1] == set(), "the second step started no thread"
+
+
+
 def test_split_ops_run_exactly() -> None:
     ref, ours = pair("alexnet")
     g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
