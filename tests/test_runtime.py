@@ -8,6 +8,7 @@ import os
 import random
 import re
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,16 @@ def test_each_device_runs_on_its_own_thread_every_step() -> None:
     WORKERS.run(on(steps[2]), 2)
     assert steps[0] == steps[1] and steps[2] == {d: steps[0][d] for d in range(2)}
     assert len(set(steps[0].values())) == 3 and threading.get_ident() not in steps[0].values()
+
+    class Step:  # what a device's work holds (a `_Run` and its tables) is freed with the step
+        def device(self, d: int) -> None:
+            pass
+
+    held = Step()
+    gone = weakref.ref(held)
+    WORKERS.run(held.device, 2)
+    del held
+    assert gone() is None, "a worker thread still holds the last step's state"
     w = zoo.get("mlp", "test")
     step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", "dp", trial=False)
     seen: list[set[int]] = []

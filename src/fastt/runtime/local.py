@@ -601,8 +601,10 @@ def _serve(inbox: queue.SimpleQueue) -> None:
             device(d)
         except BaseException as e:  # noqa: BLE001 - raised on the thread that ran the step
             errors.append(e)
-        finally:
-            done.set()
+        # The step's state (`device` is a bound method of its `_Run`: on CUDA its tables hold every value of
+        # the step) goes with the step, before the caller wakes, not when the next step's work arrives.
+        del device, errors
+        done.set()
 
 
 WORKERS = Workers()
