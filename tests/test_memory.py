@@ -105,9 +105,9 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "planner", "strategy_of"), CASES)
 def test_the_simulated_peak_is_at_least_the_real_one_and_close(name: str, planner: str, strategy_of) -> None:
-    """Safe and close on every device, where the devices' order of work is fixed by the plan. Where every
-    device runs one replica of the step (dp, zero), when a device holds the replicas' gradients and means also
-    depends on how far apart the devices run, a race: the simulator takes them in step. Close then is judged
+    """Safe and close on every device (each device's median of 3 steps). Where every device runs one replica
+    of the step (dp, zero), how long a device holds the replicas' gradients and means depends on how far apart
+    the devices run, a race: the simulator takes them in step. Close then is judged
     on the device that held most (mlp under zero, 6 runs on a quiet machine: the device behind 28.7 MB, the one
     ahead 30.8-36.1, simulated 37.2), and safe within RACE."""
     measured, simulated, replicas = _peaks(name, "fastt" if strategy_of else planner, strategy_of)
