@@ -88,12 +88,11 @@ def main() -> None:
                 fn(*b)
             if cuda:
                 torch.cuda.synchronize()
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"\n## torch.profiler, {name}, 3 steps, by host time\n"
               f"{p.key_averages().table(sort_by='self_cpu_time_total', row_limit=a.rows)}")
         if cuda:
             print(f"\n## torch.profiler, {name}, 3 steps, by GPU time\n"
-                  f"{p.key_averages().table(sort_by=sort, row_limit=a.rows)}")
+                  f"{p.key_averages().table(sort_by='self_cuda_time_total', row_limit=a.rows)}")
         if a.out:
             trace = a.out / f"{name}.json"
             p.export_chrome_trace(str(trace))
