@@ -258,6 +258,28 @@ def test_each_device_runs_on_its_own_thread_every_step() -> None:
 
 
 
+def test_a_plan_that_hands_over_every_op_is_simulated_with_what_a_hand_off_costs() -> None:
+    """A chain of small layers placed on alternating devices op by op: every op waits for the other device's
+    value, and the step is bound by the hand-offs (a thread woken through a lock, `cost.measure_handoffs`),
+    not by the ops. The simulator, charging the measured hand-off, is within a factor of 1.5 of the real step;
+    charging a 5 µs copy latency it said 0.27-0.33 of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(60) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    graph = fastt.capture(model, torch.nn.functional.mse_loss, optimizer, batch)
+    alternating = strategy_from(graph, "alternating", 2, [i % 2 for i in range(len(graph.ops))])
+    step = parallelize(model, torch.nn.functional.mse_loss, optimizer, batch, "cpu:2", strategy=alternating)
+    assert sum(len(segs) for segs in step.placed.programs.devices) > 300  # hand-offs bound the step
+    seconds = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        step(*batch)
+        seconds.append(time.perf_counter() - t0)
+    measured = sorted(seconds[3:])[6]
+    assert measured / 1.5 <= step.simulated_s <= 1.5 * measured
+
+
 def test_split_ops_run_exactly() -> None:
     ref, ours = pair("alexnet")
     g = fastt.capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)

@@ -99,6 +99,29 @@ def test_chain_across_two_devices_pays_latency_plus_bytes_over_bandwidth() -> No
     assert tl.link_busy_s[0] == 1.5 and tl.critical_path == ("a", "b")
 
 
+def test_a_device_woken_while_another_runs_pays_the_wake() -> None:
+    """`Device.wake_s` is paid by an op whose device sat idle until another device's value came while some
+    other device was running (b: device 0 runs c), not by one woken while the others wait (d: device 1 is
+    done), nor one that waited for its own device (e)."""
+    b = Builder()
+    b.add("a")
+    b.add("b", inputs={"a": 1000})
+    b.add("c", inputs={"a": 1000})
+    b.add("d", inputs={"b": 1000, "c": 1000})
+    b.add("e", inputs={"d": 1000})
+    g = b.graph()
+    two = mesh(2, bw=1000, lat=0.5)
+    woken = replace(two, devices=tuple(replace(d, wake_s=0.25) for d in two.devices))
+    st = plan(g, 2, {"a": 0, "b": 1, "c": 0, "d": 0, "e": 0})
+    per_op = seconds(g, 2, {"a": 1, "b": 2, "c": 3, "d": 1, "e": 1})
+    tl = simulate(g, st, woken, per_op)
+    # a's value reaches device 1 at 2.5, while device 0 runs c (1..4): b runs 2.5..4.75 with the wake; b's
+    # value reaches device 0 at 6.25, device 1 then idle: d 6.25..7.25, then e.
+    assert [at(tl, g, n) for n in "abcde"] == [(0, 1), (2.5, 4.75), (1, 4), (6.25, 7.25), (7.25, 8.25)]
+    assert tl.busy_s == (6, 2.25)
+    assert simulate(g, st, two, per_op).iteration_s == 8.0  # without it: b ends at 4.5, d starts at 6
+
+
 def test_diamond() -> None:
     b = Builder()
     b.add("a")

@@ -31,7 +31,11 @@ class Device:
     """One compute device. `flops` is peak FP32 FLOP/s, `mem_bandwidth` bytes/s of its memory; the tensor
     cores' dense peaks for matmuls and convolutions in FP16, BF16 and TF32 (0: none, see `peak`).
     `kernel_efficiency`: its kernels reach only a size-dependent fraction of those peaks, as a GPU's do
-    (`fastt.cost.roofline_time`); False for a device whose speeds were fitted on measured ops (a CPU)."""
+    (`fastt.cost.roofline_time`); False for a device whose speeds were fitted on measured ops (a CPU).
+    `wake_s`: what an op pays that starts when a value from another device reaches it (its device waited)
+    while another device runs: on CPU worker devices, threads of one process, waking the device's thread
+    costs the running ones that much (Python's interpreter lock passes to it and back; measured by
+    `fastt.cost.measure_handoffs`)."""
 
     name: str
     kind: str
@@ -44,6 +48,7 @@ class Device:
     bf16_flops: float = 0.0
     tf32_flops: float = 0.0
     kernel_efficiency: bool = False
+    wake_s: float = 0.0
 
     def peak(self, dtype: str, conv: bool) -> float:
         """Peak FLOP/s of a matmul or convolution (`conv`) computed in `dtype` ("float32", "bfloat16", ...).

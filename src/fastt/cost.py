@@ -9,6 +9,7 @@ bandwidth` per link, fitted by least squares on measured copies.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import statistics
@@ -346,13 +347,87 @@ def measure_means(threads: int = 1, shapes: Sequence[tuple[int, int]] = MEAN_SHA
     return points, times
 
 
+@functools.cache  # a property of the machine: measured once per process
+def measure_handoffs(rounds: int = 300, ops: int = 20, repeats: int = 5) -> tuple[float, float]:
+    """(latency, wake) of a hand-off between two CPU worker devices, threads of this process that wait on a
+    lock as the local runtime's devices do (`local.Latch`), medians of `repeats`:
+    - `latency`: seconds from one thread releasing the lock the other waits on until the other runs (a
+      ping-pong of `rounds` hand-offs each way, each side running a small op when woken);
+    - `wake`: seconds a running thread loses each time it wakes a waiting one that then runs a small op
+      (`rounds` wakes, one after every `ops` small ops, against the same ops waking no one): Python's
+      interpreter lock passes to the woken thread and back, each pass a wake-up of a sleeping thread.
+    On this machine's 2-core VM both are 30-50 µs, and a plan that hands a value over every few ops is
+    bound by them (issue 17: gnmt's split plan ran 336 ms where 160 were simulated without them)."""
+    x = torch.ones(4)
+
+    def locks() -> list[threading.Lock]:
+        out = [threading.Lock() for _ in range(rounds)]
+        for lk in out:
+            lk.acquire()
+        return out
+
+    def both(a: Callable[[], None], b: Callable[[], None]) -> float:
+        """Seconds thread a runs, with b on a second thread."""
+        spent = []
+        threads = [threading.Thread(target=lambda: spent.append(_timed(a))), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return spent[0]
+
+    def ping_pong() -> float:
+        there, back = locks(), locks()
+
+        def a() -> None:
+            for i in range(rounds):
+                there[i].release()
+                back[i].acquire()
+                x + 1
+
+        def b() -> None:
+            for i in range(rounds):
+                there[i].acquire()
+                x + 1
+                back[i].release()
+        return both(a, b) / (2 * rounds)
+
+    def woken(wake: bool) -> float:
+        gates = locks()
+
+        def a() -> None:
+            for gate in gates:
+                for _ in range(ops):
+                    x + 1
+                gate.release()
+
+        def b() -> None:
+            for gate in gates:
+                if wake:
+                    gate.acquire()
+                    x + 1
+        return both(a, b)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        latency = statistics.median(ping_pong() for _ in range(repeats))
+        wake = statistics.median((woken(True) - woken(False)) / rounds for _ in range(repeats))
+    finally:
+        torch.set_num_threads(old)
+    return latency, max(wake, 0.0)
+
+
 def calibrate_cpu(cluster: Cluster) -> Cluster:
     """The cluster with its CPU devices' speeds and copy links measured on this machine.
 
     FLOP/s from a 1024² matmul, memory bandwidth and link `latency + bytes/bandwidth` from copies fitted by
     least squares, op overhead from a tiny op, the allreduce's `gather` (fixed, per byte, per tensor) from the
-    runtime's own two-replica mean, each with the device's share of the cores. A cluster that is
-    not all CPU worker devices is returned unchanged: its links are not copies in this process.
+    runtime's own two-replica mean, each with the device's share of the cores. With several devices a link's
+    latency is the hand-off between their threads, and each device's `wake_s` what waking it costs
+    (`measure_handoffs`): the local runtime hands a CPU value over without copying it, by waking the thread
+    that waits for it. A cluster that is not all CPU worker devices is returned unchanged: its links are not
+    copies in this process.
     """
     if any(d.kind != "cpu" for d in cluster.devices):
         return cluster
@@ -375,8 +450,11 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
     # for 16 MB, measured here with two other jobs running), which a line fitted through the dip would read as
     # no bandwidth.
     latency, bandwidth = fit_transfers(sizes, np.maximum.accumulate(secs))
+    wake = 0.0
+    if n > 1:
+        latency, wake = measure_handoffs()
     # A copy of n bytes reads n and writes n: memory moves twice the copied bytes.
-    devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead)
+    devices = tuple(replace(d, flops=flops, mem_bandwidth=2 * bandwidth, op_overhead_s=overhead, wake_s=wake)
                     for d in cluster.devices)
     links = tuple(Link(lk.name, bandwidth, latency) for lk in cluster.links)
     # The local runtime averages gradients in a device's thread (`replica_mean`: foreach adds, then a

@@ -66,6 +66,7 @@ class EventPlan:
     readers: Readers
     seeds: list[tuple]                # residents whose transfers are requested at t=0
     holders: dict[int, tuple[int, ...]]
+    wake: list[float]                 # per device: what an op pays that a value from another device wakes
 
 
 class Events(NamedTuple):
@@ -105,7 +106,7 @@ def prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[s
             raise FasttError(f"release: '{name}' is sent after '{r}', which is not placed on its device")
         rel[i] = k
     return EventPlan(dev, order, need, fanout, ar_cons, ar_need, group, ar_cost, rel, routes, readers, seeds,
-                     holders)
+                     holders, [d.wake_s for d in cluster.devices])
 
 
 def _groups(g: OpGraph, dev: list[int]) -> dict[int, tuple[int, ...]]:
@@ -234,14 +235,20 @@ class _Loop:
         need, ready, why, crit = self.need, self.ready, self.why, self.crit
         start, end, dur, heap = self.start, self.end, self.dur, self.heap
         k, seq, b, prev = self.at[d], self.p.order[d], self.busy[d], self.last[d]
+        dev, wake = self.p.dev, self.p.wake[d]
         i = seq[k]
         while i >= 0 and not need[i]:
             r = ready[i]
             if b > r:
-                s, crit[i] = b, prev
+                s, crit[i], woken = b, prev, 0.0
             else:
                 s, crit[i] = r, why[i]
-            b = s + dur[i]
+                # The device waited for another device's value, and another device is running: waking it
+                # costs the running devices (`Device.wake_s`), charged here. In a chain, where the sender
+                # waits in turn, the hand-off costs only its latency.
+                woken = wake if wake and why[i] >= 0 and dev[why[i]] not in (-1, d) and any(
+                    e != d and t > r for e, t in enumerate(self.busy)) else 0.0
+            b = s + dur[i] + woken
             start[i], end[i], prev = s, b, i
             heapq.heappush(heap, (b, _END, i, -1, None))
             k += 1
