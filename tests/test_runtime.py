@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import re
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -20,7 +21,7 @@ from test_capture import RECURRENT, eager_step, fresh_batch
 import fastt
 from fastt import zoo
 from fastt.capture import fused_kernels
-from fastt.cluster import cluster
+from fastt.cluster import CORES, cluster
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
 from fastt.plan import PLANNERS
@@ -255,6 +256,11 @@ def test_each_device_runs_on_its_own_thread_every_step() -> None:
         step(*fresh_batch(w, i))
         seen.append({t.ident for t in threading.enumerate()} - before)
     assert seen[1] == set(), "the second step started no thread"
+    if len(CORES) >= 2:  # each device's thread runs on its own core (`cluster.use_cores`)
+        cores: dict[int, set[int]] = {}
+        WORKERS.run(lambda d: cores.__setitem__(d, os.sched_getaffinity(0)), 2)
+        assert cores == {0: {CORES[0]}, 1: {CORES[1]}}
+        assert os.sched_getaffinity(0) == set(CORES), "the caller's thread is not pinned"
 
 
 
@@ -278,6 +284,27 @@ def test_a_plan_that_hands_over_every_op_is_simulated_with_what_a_hand_off_costs
         seconds.append(time.perf_counter() - t0)
     measured = sorted(seconds[3:])[6]
     assert measured / 1.5 <= step.simulated_s <= 1.5 * measured
+
+
+def test_generated_code_calls_aten_ops_without_a_python_frame() -> None:
+    """A segment's code calls each aten op's C++ entry point (`cost.direct`), not `OpOverload.__call__`, a
+    Python frame that only forwards to it: where CPython's frame stack had a chunk nearly full, each such
+    frame mapped and unmapped a fresh chunk (resnet50 on a worker thread: 955 page faults a step)."""
+    w = zoo.get("mlp", "test", dropout=False)
+    step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:1", "single", trial=False)
+    entered: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_back.f_code.co_filename.startswith("<eval_with_key"):
+            entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+    sys.setprofile(profile)
+    try:
+        step(*w.example_inputs)
+    finally:
+        sys.setprofile(None)
+    assert not [f for f in entered if f.endswith(os.path.join("torch", "_ops.py:__call__"))]
+    seg = step.placed.programs.devices[0][0]
+    assert sum(n.op == "call_function" for n in seg.fn.__self__.graph.nodes) > 20  # the step ran as code
 
 
 def test_split_ops_run_exactly() -> None:

@@ -36,6 +36,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_arg
 
+from ..cluster import use_cores
 from ..cost import replica_mean
 from ..errors import FasttError
 from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args, part_names
@@ -400,6 +401,8 @@ class _Run:
         torch.set_num_threads(self.threads)
         if self.cuda:
             torch.cuda.set_stream(self.streams[d])
+        elif len(self.programs.devices) > 1:  # a worker thread (one device runs on the caller's)
+            use_cores(d, self.threads)
         for seg in self.programs.devices[d]:
             try:
                 ready = self.wait_all(seg.waits, d, seg.replica)

@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from ..cluster import Cluster, torch_device
-from ..cost import MeasuredCosts
+from ..cost import MeasuredCosts, direct
 from ..errors import FasttError
 from ..graph import UPDATE, OpGraph
 from ..lower import JOIN, PART, RUN, SHARD, Lowered, Task, lower, part_reads
@@ -96,6 +96,8 @@ def _generate(low: Lowered, nodes: dict[str, fx.Node], tasks: Sequence[Task], de
         for name in t.nodes:
             values[name] = g.node_copy(nodes[name], lambda a, local=local: local.get(a.name, values[a.name]))
             values[name].kwargs = on_device(values[name].kwargs, device)
+            if values[name].op == "call_function":
+                values[name].target = direct(values[name].target)
     g.output(tuple(values[name] for name in outputs))
     # AOTAutograd's calling convention: the code takes its inputs as one list and empties it, so an input
     # the caller gave up is freed after its last use inside the code, not when the code returns.
