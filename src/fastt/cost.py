@@ -154,18 +154,21 @@ def _elapsed(ticks: Sequence) -> list[float]:
     return list(np.diff(ticks))
 
 
-@functools.cache
 def direct(target: Callable) -> Callable:
     """What generated code calls for `target`: for an aten op (`OpOverload`), its C++ entry point without the
-    Python `__call__` that only forwards to it, as a C-level `functools.partial` that fx can name. Besides
-    0.4 µs an op, that keeps the op from pushing a Python frame: CPython 3.11 frees a thread's frame-stack
-    chunk whenever it empties, and where a segment's big frame leaves a chunk nearly full every op's frame
-    took a fresh chunk, a 16 KB mmap, page faults and a munmap (resnet50 at test size, one device on a worker
-    thread: 955 page faults a step, 82 ms against 70 on the main thread, where the frame fell elsewhere)."""
-    if type(target) is not torch._ops.OpOverload:
-        return target
-    call = functools.partial(target._op)
-    call.__name__, call.__module__ = str(target).replace(".", "_"), "fastt_direct"
+    Python `__call__` that only forwards to it, as a C-level `functools.partial` that fx can name (`_direct`);
+    any other target as it is. Besides 0.4 µs an op, that keeps the op from pushing a Python frame: CPython
+    3.11 frees a thread's frame-stack chunk whenever it empties, and where a segment's big frame leaves a
+    chunk nearly full every op's frame took a fresh chunk, a 16 KB mmap, page faults and a munmap (resnet50
+    at test size, one device on a worker thread: 955 page faults a step, 82 ms against 70 on the main thread,
+    where the frame fell elsewhere)."""
+    return _direct(target) if type(target) is torch._ops.OpOverload else target
+
+
+@functools.cache
+def _direct(op: torch._ops.OpOverload) -> Callable:
+    call = functools.partial(op._op)
+    call.__name__, call.__module__ = str(op).replace(".", "_"), "fastt_direct"
     return call
 
 

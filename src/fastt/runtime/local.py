@@ -37,7 +37,7 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from ..cluster import use_cores
-from ..cost import replica_mean
+from ..cost import direct, replica_mean
 from ..errors import FasttError
 from ..lower import JOIN, PART, SHARD, Lowered, Task, part_args, part_names
 from ..shard import CUTS
@@ -285,7 +285,7 @@ class _Run:
             env[name] = operator.attrgetter(n.target)(self.low.step.gm)
             return
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: env[a.name])
-        env[name] = n.target(*args, **kwargs)
+        env[name] = direct(n.target)(*args, **kwargs)
 
     def interpret(self, t: Task, d: int) -> None:
         """Run task `t` on device d node by node."""
@@ -325,7 +325,7 @@ class _Run:
             for name in t.nodes:
                 n = self.nodes[name]
                 args, kwargs = map_arg((n.args, n.kwargs), mine)
-                env[name + t.tag] = n.target(*args, **on_device(kwargs, device))
+                env[name + t.tag] = direct(n.target)(*args, **on_device(kwargs, device))
             return
         if t.kind == JOIN:
             dim, _, parts = self.low.graph.ops[t.waits[0]].split
@@ -335,7 +335,7 @@ class _Run:
         for name in t.nodes:
             n = self.nodes[name]
             args, kwargs = args_of(n)
-            env[name] = n.target(*args, **kwargs)
+            env[name] = direct(n.target)(*args, **kwargs)
 
     def culprit(self, seg: Segment, d: int, e: BaseException) -> Task:
         """The task of a failed generated segment: the one whose node the code was running (read off the
