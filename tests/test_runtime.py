@@ -263,7 +263,6 @@ def test_each_device_runs_on_its_own_thread_every_step() -> None:
         assert os.sched_getaffinity(0) == set(CORES), "the caller's thread is not pinned"
 
 
-
 def test_a_plan_that_hands_over_every_op_is_simulated_with_what_a_hand_off_costs() -> None:
     """A chain of small layers placed on alternating devices op by op: every op waits for the other device's
     value, and the step is bound by the hand-offs (a thread woken through a lock, `cost.measure_handoffs`),

@@ -251,13 +251,14 @@ def cpu_threads(n_devices: int) -> int:
     return max(1, (len(CORES) or os.cpu_count() or 1) // max(1, n_devices))
 
 
-def use_cores(d: int, threads: int) -> None:
-    """Run the calling thread, CPU worker device d with `threads` threads, on its own cores: cores [d·threads,
-    (d+1)·threads) of the process's, as the simulator has a device's cores to itself. Where there are fewer
-    cores, or on a system without thread affinity, the thread runs anywhere. Unpinned, the scheduler moved
-    threads that hand values back and forth onto one core, where a hand-off costs a quarter of what it costs
-    between cores: a chain of small layers alternating devices ran 8 ms or 21 ms a step by its history."""
-    want = CORES[d * threads:(d + 1) * threads] if len(CORES) >= (d + 1) * threads else CORES
+def use_cores(d: int, threads: int, n: int) -> None:
+    """Run the calling thread, CPU worker device d of n with `threads` threads each, on its own cores: cores
+    [d·threads, (d+1)·threads) of the process's, as the simulator has a device's cores to itself. Where the n
+    devices need more cores than there are, or on a system without thread affinity, it runs anywhere.
+    Unpinned, the scheduler moved threads that hand values back and forth onto one core, where a hand-off
+    costs a quarter of what it costs between cores: a chain of small layers alternating devices ran 8 ms or
+    21 ms a step by its history."""
+    want = CORES[d * threads:(d + 1) * threads] if len(CORES) >= n * threads else CORES
     if want and getattr(_PINNED, "cores", None) != want:
         os.sched_setaffinity(0, want)  # 0: the calling thread
         _PINNED.cores = want

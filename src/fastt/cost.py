@@ -217,7 +217,7 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     def worker(d: int = 0) -> None:
         torch.set_num_threads(threads)
         if concurrent > 1:  # on device d's cores, as the runtime's worker threads run
-            use_cores(d, threads)
+            use_cores(d, threads, concurrent)
         with torch.no_grad():
             for r in range(runs + 1):
                 ticks = fn(*[x.clone() if isinstance(x, torch.Tensor) else x for x in flat])
@@ -392,7 +392,7 @@ def measure_handoffs(rounds: int = 300, ops: int = 20, repeats: int = 5) -> tupl
         spent = []
 
         def pinned(d: int, f: Callable[[], None]) -> Callable[[], None]:
-            return lambda: (use_cores(d, 1), f())
+            return lambda: (use_cores(d, 1, 2), f())
         threads = [threading.Thread(target=pinned(0, lambda: spent.append(_timed(a)))),
                    threading.Thread(target=pinned(1, b))]
         for t in threads:

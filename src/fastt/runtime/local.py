@@ -402,7 +402,7 @@ class _Run:
         if self.cuda:
             torch.cuda.set_stream(self.streams[d])
         elif len(self.programs.devices) > 1:  # a worker thread (one device runs on the caller's)
-            use_cores(d, self.threads)
+            use_cores(d, self.threads, len(self.programs.devices))
         for seg in self.programs.devices[d]:
             try:
                 ready = self.wait_all(seg.waits, d, seg.replica)
