@@ -377,8 +377,9 @@ def measure_handoffs(rounds: int = 300, ops: int = 20, repeats: int = 5) -> tupl
     - `wake`: seconds a running thread loses each time it wakes a waiting one that then runs a small op
       (`rounds` wakes, one after every `ops` small ops, against the same ops waking no one): Python's
       interpreter lock passes to the woken thread and back, each pass a wake-up of a sleeping thread.
-    On this machine's 2-core VM both are 30-50 µs, and a plan that hands a value over every few ops is
-    bound by them (issue 17: gnmt's split plan ran 336 ms where 160 were simulated without them)."""
+    On this machine's 2-core VM each is 36-75 µs, drifting with the host over hours, and a plan that hands a
+    value over every few ops is bound by them (issue 17: gnmt's split plan ran 336 ms where 160 were simulated
+    without them)."""
     x = torch.ones(4)
 
     def locks() -> list[threading.Lock]:
