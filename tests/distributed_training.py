@@ -77,12 +77,24 @@ def main(name: str, planners: str, path: str) -> None:
         ref = make(name)[:3]
         start = copy.deepcopy((model.state_dict(), opt.state_dict()))
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, clip_grad_norm=clip)
+        before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        out.setdefault("host", {})[planner] = {  # the simulated step's parts; its dry run changes nothing
+            "simulated_s": step.simulated_s, "placed_s": step.placed.simulated_s, "dry_s": step.host_seconds(),
+            "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agree_s,
+            "unchanged": same(before, (model.state_dict(), opt.state_dict()))}
         out[planner] = {}
         for schedule in SCHEDULES:
             model.load_state_dict(start[0])  # every rank starts each schedule from the same state
             opt.load_state_dict(copy.deepcopy(start[1]))
             out[planner][schedule] = train(step, model, opt, ref, inputs, schedule, clip)
     finish(out, path)
+
+
+def same(a: object, b: object) -> bool:
+    """Two nests of tensors and numbers alike, bit for bit."""
+    xs, ys = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(xs) == len(ys) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                                      for x, y in zip(xs, ys))
 
 
 def finish(out: dict, path: str) -> None:

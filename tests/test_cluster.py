@@ -122,6 +122,9 @@ def test_json_round_trip(spec: str, tmp_path: Path) -> None:
     c.save(path)
     assert cluster(str(path)) == c and cluster(path) == c
     assert from_dict(json.loads(c.to_json())) == c
+    devices = tuple(dataclasses.replace(d, wake_s=5e-5, comm_s_per_byte=4e-10) for d in c.devices)
+    measured = dataclasses.replace(c, devices=devices)
+    assert from_dict(json.loads(measured.to_json())) == measured  # what calibration measured, kept
 
 
 def test_json_by_hand_with_names_and_multi_link_route(tmp_path: Path) -> None:

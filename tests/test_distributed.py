@@ -404,10 +404,18 @@ def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner:
     eager step from the same state (rtol 1e-5), the same loss, and no scheduler warning."""
     r = torchrun_script("distributed_training.py", model, planner, str(tmp_path / "out.json"))
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads((tmp_path / "out.json").read_text())[planner]
+    out = json.loads((tmp_path / "out.json").read_text())
+    got = out[planner]
     assert sorted(got) == ["cosine", "onecycle", "step", "warmup"]
     for schedule, res in got.items():
         assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (schedule, res)
+    # The simulated step: the plan's, the rows that travel, the ranks' agreement and the host's dry run, which
+    # leaves the model and optimizer as they were.
+    host = out["host"][planner]
+    assert host["unchanged"] and host["dry_s"] > 0 and host["agree_s"] > 0, host
+    assert (host["feed_s"] > 0) == (host["pieces"] > 0), host
+    parts = host["placed_s"] + host["feed_s"] + host["agree_s"] + host["dry_s"]
+    assert host["simulated_s"] == pytest.approx(parts), host
 
 
 def test_each_rank_reads_its_shard_and_trains_as_the_whole_batch(tmp_path: Path) -> None:
@@ -477,8 +485,8 @@ def test_expert_plans_train_as_eager_over_gloo(model: str, planners: str, tmp_pa
     r = torchrun_script("distributed_training.py", model, planners, str(tmp_path / "out.json"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
-    assert sorted(got) == sorted(planners.split(","))
-    for planner, by in got.items():
+    assert sorted(got) == sorted([*planners.split(","), "host"])
+    for planner, by in [(p, by) for p, by in got.items() if p != "host"]:
         for schedule, res in by.items():
             assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (planner, schedule, res)
 

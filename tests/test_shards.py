@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_runtime import one_thread_per_device, pair, random_topological_rank  # noqa: F401 - fixture
 
 import fastt
-from fastt.cluster import cluster
+from fastt.cluster import Cluster, Link, cluster
 from fastt.cost import MeasuredCosts
 from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
@@ -90,3 +90,15 @@ def test_a_batch_that_does_not_split_into_the_ranks_shards_is_refused() -> None:
     g, _ = captured("mlp")  # 256 samples on 3 ranks
     with pytest.raises(FasttError, match="a batch of 256 does not split into 3 ranks' shards"):
         feed_of(g, fastt.plan(g, "cpu:3", "single"), 3)
+
+
+def test_the_feed_is_simulated_on_the_ranks_shared_link() -> None:
+    g, inputs = captured("mlp")
+    cpu = cluster("cpu:2")
+    link = Link("gloo-intra:n0", bandwidth=1e8, latency=50e-6)  # one link the ranks share, as on a node
+    ranks = Cluster("gloo:2", cpu.devices, (link,), {(0, 1): (0,), (1, 0): (0,)})
+    dp, _, _ = feed_of(g, fastt.plan(g, "cpu:2", "dp"), 2)
+    assert dp.seconds(ranks) == 0.0
+    single, _, _ = feed_of(g, fastt.plan(g, "cpu:2", "single"), 2)
+    rows = sum(x[128:].nbytes for x in inputs)  # rank 1's shard, to rank 0 in one message
+    assert single.seconds(ranks) == pytest.approx(link.latency + rows / link.bandwidth)

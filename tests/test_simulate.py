@@ -122,6 +122,29 @@ def test_a_device_woken_while_another_runs_pays_the_wake() -> None:
     assert simulate(g, st, two, per_op).iteration_s == 8.0  # without it: b ends at 4.5, d starts at 6
 
 
+def test_a_rank_whose_cores_copy_pays_for_what_it_sends_and_receives() -> None:
+    """`Device.comm_s_per_byte` (a distributed CPU rank, whose cores run gloo's copies) keeps the sender and
+    the receiver busy for that long per byte from the moment a transfer is requested: b waits for device 1 to
+    have received a's value, and d for device 0 to have sent a's and received b's."""
+    b = Builder()
+    b.add("a")
+    b.add("b", inputs={"a": 1000})
+    b.add("c", inputs={"a": 1000})
+    b.add("d", inputs={"b": 1000, "c": 1000})
+    g = b.graph()
+    two = mesh(2, bw=1000, lat=0.5)
+    copying = replace(two, devices=tuple(replace(d, comm_s_per_byte=0.002) for d in two.devices))
+    st = plan(g, 2, {"a": 0, "b": 1, "c": 0, "d": 0})
+    per_op = seconds(g, 2, {"a": 1, "b": 2, "c": 3, "d": 1})
+    # At 1 a's value leaves (1..2.5): device 0 runs c (1..4) then sends for 2 s (to 6), device 1 receives
+    # from 1 to 3; b 3..5; its value leaves at 5 (5..6.5): device 0 receives 6..8, so d runs 8..9.
+    tl = simulate(g, st, copying, per_op)
+    assert [at(tl, g, n) for n in "abcd"] == [(0, 1), (3, 5), (1, 4), (8, 9)]
+    assert tl.busy_s == (5, 2)  # the ops' own time
+    plain = simulate(g, st, two, per_op)
+    assert [at(plain, g, n) for n in "abcd"] == [(0, 1), (2.5, 4.5), (1, 4), (6, 7)]
+
+
 def test_diamond() -> None:
     b = Builder()
     b.add("a")

@@ -36,7 +36,10 @@ class Device:
     `wake_s`: what an op pays that starts when a value from another device reaches it (its device waited)
     while another device runs: on CPU worker devices, threads of one process, waking the device's thread
     costs the running ones that much (Python's interpreter lock passes to it and back; measured by
-    `fastt.cost.measure_handoffs`)."""
+    `fastt.cost.measure_handoffs`). `comm_s_per_byte`: the seconds of its cores a byte it sends or receives
+    takes (a distributed CPU rank: gloo's copies through the host's TCP stack, which share the cores its ops
+    run on; measured by `fastt.runtime.distributed.calibrate.measure_gather`); 0 where moving data costs the
+    device's compute nothing (a GPU's copy engines, the local runtime's shared memory)."""
 
     name: str
     kind: str
@@ -50,6 +53,7 @@ class Device:
     tf32_flops: float = 0.0
     kernel_efficiency: bool = False
     wake_s: float = 0.0
+    comm_s_per_byte: float = 0.0
 
     def peak(self, dtype: str, conv: bool) -> float:
         """Peak FLOP/s of a matmul or convolution (`conv`) computed in `dtype` ("float32", "bfloat16", ...).

@@ -30,7 +30,8 @@ def from_dict(data: Mapping[str, Any], where: str = "cluster JSON") -> Cluster:
     """A Cluster from its JSON form: {"name", "devices": [...], "links": [{..., "pairs"}], "routes"?}.
 
     Devices are {"name", "kind", "memory_bytes", "flops", "mem_bandwidth", "node"?, "op_overhead_s"?,
-    "fp16_flops"?, "bf16_flops"?, "tf32_flops"?, "kernel_efficiency"? (true/false, see Device), "wake_s"?}.
+    "fp16_flops"?, "bf16_flops"?, "tf32_flops"?, "kernel_efficiency"? (true/false, see Device), "wake_s"?,
+    "comm_s_per_byte"?}.
     Each link's "pairs" lists ordered device pairs [src, dst] (indices or names) whose route is that link
     alone; the optional top-level "routes" maps "src,dst" to a list of link names for multi-link routes. Every
     ordered pair of distinct devices must get exactly one route. The optional "gather" is [latency s, s per
@@ -89,7 +90,8 @@ def _device(d: Mapping[str, Any], i: int, fail: Callable[[str], FasttError]) -> 
                   _number(d, "op_overhead_s", what, fail, default=0.0, positive=False),
                   *(_number(d, f"{t}_flops", what, fail, default=0.0, positive=False)
                     for t in ("fp16", "bf16", "tf32")), kernel_efficiency=efficiency,
-                  wake_s=_number(d, "wake_s", what, fail, default=0.0, positive=False))
+                  wake_s=_number(d, "wake_s", what, fail, default=0.0, positive=False),
+                  comm_s_per_byte=_number(d, "comm_s_per_byte", what, fail, default=0.0, positive=False))
 
 
 def _link(lk: Mapping[str, Any], k: int, fail: Callable[[str], FasttError]) -> Link:

@@ -67,6 +67,7 @@ class EventPlan:
     seeds: list[tuple]                # residents whose transfers are requested at t=0
     holders: dict[int, tuple[int, ...]]
     wake: list[float]                 # per device: what an op pays that a value from another device wakes
+    comm: list[float]                 # per device: seconds of its compute per byte it sends or receives
 
 
 class Events(NamedTuple):
@@ -106,7 +107,8 @@ def prepare(g: OpGraph, strategy: Strategy, cluster: Cluster, release: Mapping[s
             raise FasttError(f"release: '{name}' is sent after '{r}', which is not placed on its device")
         rel[i] = k
     return EventPlan(dev, order, need, fanout, ar_cons, ar_need, group, ar_cost, rel, routes, readers, seeds,
-                     holders, [d.wake_s for d in cluster.devices])
+                     holders, [d.wake_s for d in cluster.devices],
+                     [d.comm_s_per_byte for d in cluster.devices])
 
 
 def _groups(g: OpGraph, dev: list[int]) -> dict[int, tuple[int, ...]]:
@@ -286,6 +288,8 @@ class _Loop:
             if src != dst:
                 e = self.links.transfer(j, src, dst, nbytes, t)
                 heapq.heappush(self.heap, (e, _ARRIVE, j, dst, cons))
+                self.charge(src, t, nbytes)
+                self.charge(dst, t, nbytes)
         ar_need, why = self.ar_need, self.why
         for a in self.p.ar_cons[j]:
             ar_need[a] -= 1
@@ -297,11 +301,23 @@ class _Loop:
                     heapq.heappush(self.heap, (t, _COLLECTIVE, a, -1, grp))
                 self.pending[grp].append(a)
 
+    def charge(self, d: int, t: float, nbytes: float) -> None:
+        """Device d sends or receives `nbytes` from t: on a device whose cores do the copying
+        (`Device.comm_s_per_byte`, a distributed CPU rank), its next op starts that much later. Charged when
+        the transfer or collective is requested, the moment the event loop is at, so no op already started
+        moves."""
+        c = self.p.comm[d]
+        if c:
+            self.busy[d] = max(self.busy[d], t) + nbytes * c
+
     def allreduce(self, grp: tuple[int, ...], t: float) -> None:
         """Run the allreduces of `grp` that became ready at t as one."""
         ops = self.pending.pop(grp)
-        s, e = self.links.collective(ops, grp, sum(allreduce_bytes(self.ops[a]) for a in ops), t,
-                                     halves=all(half(self.ops[a]) for a in ops))
+        nbytes, halves = sum(allreduce_bytes(self.ops[a]) for a in ops), all(half(self.ops[a]) for a in ops)
+        s, e = self.links.collective(ops, grp, nbytes, t, halves=halves)
+        n = len(grp)
+        for d in grp:  # each rank sends and receives 2(n-1)/n of the bytes, n-1 of them for a halved ring
+            self.charge(d, t, (1 if halves else 2) * 2 * (n - 1) / n * nbytes)
         for a in ops:
             self.start[a], self.end[a], self.crit[a] = s, e, self.why[a]
             heapq.heappush(self.heap, (e, _END, a, -1, None))

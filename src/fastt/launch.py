@@ -169,6 +169,7 @@ def train(args: argparse.Namespace) -> dict | None:
             "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
                       for lk in cl.links},
             "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
+            "comm_s_per_byte": cl.devices[0].comm_s_per_byte,
             "steps": args.steps, "results": results,
             "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip,
             "precision": args.precision}
@@ -202,17 +203,19 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
         if ref is not None:  # the reference takes this step from our state
             take_state(model, opt, ref[1], ref[3])
             eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
-        dist.barrier()
+        dist.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         with _fault(rank, i):  # the others are in the step, waiting for this rank
             step(*shard)  # on a GPU it ends once the GPU is done
-        dist.barrier()
         times.append(time.perf_counter() - t0)
         if check:  # rank 0's model is read: it gets what the other ranks keep
             step.sync()
         tuned += step.tuner is not None and step.tuner.active
         if ref is not None:
             step_diffs.append(max_param_rel_diff(ref[1], model))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)
+    times = [max(ts) for ts in zip(*everyone)]  # a step ends when its slowest rank's does
     measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
     row = {"planner": planner, "measured_iteration_s": measured, "simulated_iteration_s": step.simulated_s,
            "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,

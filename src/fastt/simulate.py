@@ -15,6 +15,11 @@ The model, in full:
   links are free, as a ring or a gather (`Cluster.gather`); allreduces of one group that become ready at the
   same moment run as one (their bytes fused, one latency), as the distributed runtime's collectives do; the
   result is then on every device of the group;
+- an op whose device waited for another device's value while some other device was running pays its device's
+  `wake_s` (CPU worker threads of one process); a device whose cores do the copying (`comm_s_per_byte`, a
+  distributed CPU rank) is busy for that many seconds per byte it sends or receives, from the moment a
+  transfer or collective is requested (an allreduce over n devices: each sends and receives 2(n-1)/n of its
+  bytes), so its next op starts that much later;
 - memory per device starts at its resident set; an op allocates its results when it starts (the batch at t=0),
   a transfer its bytes on the receiver when it starts, an allreduce its output on every ring device; each
   storage of an op's results (`Op.out_parts`: batch norm's output and saved statistics are two) is freed when

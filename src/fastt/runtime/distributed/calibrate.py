@@ -85,23 +85,41 @@ def _average(xs: Sequence[torch.Tensor], leaves: Sequence[Leaf], group: dist.Pro
 
 def measure_gather(group: dist.ProcessGroup, device: torch.device,
                    shapes: Sequence[tuple[int, int]] = GATHER_SHAPES,
-                   repeats: int = 9) -> tuple[list[tuple[int, int]], list[float]]:
+                   repeats: int = 9) -> tuple[list[tuple[int, int]], list[float], list[float]]:
     """Seconds the two ranks of `group` take to average `k` tensors of `f` floats each (`shapes`: (k, f)), the
-    way the runtime's collectives do (`_average`), median of repeats: ([(bytes, tensors)], seconds). The
-    group's ranks call it together."""
-    points, times = [], []
+    way the runtime's collectives do (`_average`), median of repeats: ([(bytes, tensors)], seconds, this
+    process's CPU seconds in them, gloo's threads included). The group's ranks call it together."""
+    points, times, cpu = [], [], []
     for k, f in shapes:
         xs = [torch.rand(f, device=device) for _ in range(k)]
         leaves = [Leaf.of(x) for x in xs]
         buf = torch.empty(packed_size(leaves), dtype=torch.uint8, device=device)
-        ts = []
+        ts, cs = [], []
         for _ in range(repeats + 1):
-            t0 = synchronized(device)
+            t0, c0 = synchronized(device), time.process_time()
             _average(xs, leaves, group, buf)
             ts.append(synchronized(device) - t0)
+            cs.append(time.process_time() - c0)
         points.append((4 * k * f, k))
         times.append(statistics.median(ts[1:]))
-    return points, times
+        cpu.append(statistics.median(cs[1:]))
+    return points, times, cpu
+
+
+def measure_agreement(device: torch.device, repeats: int = 15) -> float:
+    """Seconds the ranks take to agree on a batch's shards (`DistributedStep._agree`: an all_gather of a few
+    numbers a rank), from a barrier, median of repeats. Every rank calls it; each gets its own."""
+    world = dist.get_world_size()
+    mine = torch.zeros(1 + world, dtype=torch.float64, device=device)
+    everyone = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = synchronized(device)
+        dist.all_gather_single(everyone, mine)
+        everyone.tolist()
+        times.append(synchronized(device) - t0)
+    return statistics.median(times[1:])
 
 
 def rank_cluster(device: torch.device | None = None) -> Cluster:
@@ -117,15 +135,15 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = [r // per_node for r in range(world)]
-    fitted, gather = _measured_links(device, per_node, node)
+    fitted, gather, comm = _measured_links(device, per_node, node)
     cpu = device.type == "cpu"
     speed = alone_on_rank0(lambda: calibrate_cpu(cpu_cluster(1)).devices[0] if cpu else None)
-    box = [(fitted, speed, gather) if dist.get_rank() == 0 else None]
+    box = [(fitted, speed, gather, comm) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    fitted, dev, gather = box[0]
+    fitted, dev, gather, comm = box[0]
     if cpu:
         share = dev.memory_bytes // per_node
-        devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=share, node=node[r])
+        devices = tuple(replace(dev, name=f"rank:{r}", memory_bytes=share, node=node[r], comm_s_per_byte=comm)
                         for r in range(world))
     else:  # every rank's GPU is taken to be of this rank's kind; each is named after its place on its node
         gpu = cuda_cluster([device.index]).devices[0]
@@ -135,26 +153,29 @@ def rank_cluster(device: torch.device | None = None) -> Cluster:
 
 
 def _measured_links(device: torch.device, per_node: int,
-                    node: Sequence[int]) -> tuple[dict[str, tuple[float, float]], tuple | None]:
+                    node: Sequence[int]) -> tuple[dict[str, tuple[float, float]], tuple | None, float]:
     """On rank 0, the fitted (latency, bandwidth) per link class ('intra', 'inter': within a node, between
-    nodes) and the gather's fit, measured with the first rank of each class; empty elsewhere."""
+    nodes), the gather's fit, and the CPU seconds per byte a rank sends or receives (`Device.comm_s_per_byte`:
+    the gather's CPU time per byte averaged, halved, since each of the two ranks sends and receives every
+    byte), measured with the first rank of each class; empty elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     peers = {"intra": 1 if world > 1 and node[1] == 0 else None,
              "inter": per_node if per_node < world else None}
     fitted: dict[str, tuple[float, float]] = {}
-    gather, groups = None, directions(device)
+    gather, comm, groups = None, 0.0, directions(device)
     pairs = reducers([(0, peer) for peer in peers.values() if peer is not None], device)
     for cls, peer in peers.items():  # the gather across nodes (measured last) is the slower one
         if peer is None:
             continue
         if rank in (0, peer):
             sizes, secs = measure_p2p(peer, groups, device)
-            points, times = measure_gather(pairs[0, peer], device)
+            points, times, cpu = measure_gather(pairs[0, peer], device)
             if rank == 0:
                 fitted[cls] = fit_transfers(sizes, secs, relative=True)
                 gather = fit_gather(points, times)
+                comm = fit_gather(points, cpu)[1] / 2
         dist.barrier()
-    return fitted, gather
+    return fitted, gather, comm
 
 
 def _cluster_of(devices: tuple[Device, ...], node: Sequence[int], fitted: dict[str, tuple[float, float]],

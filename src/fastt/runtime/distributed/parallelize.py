@@ -22,7 +22,7 @@ from ..programs import place
 from ..shards import shard_of
 from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
-from .calibrate import rank_cluster, rank_device, rank_targets, synchronized
+from .calibrate import measure_agreement, rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
 from .step import DistributedStep, check_same, racing, whole_state
 from .wiring import wire
@@ -58,6 +58,7 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         raise FasttError(f"rank {rank}: the model and its inputs are on {', '.join(sorted(map(str, home)))}, "
                          f"not on this rank's device {device}: move them there first")
     cl = cl or rank_cluster(device)
+    host = (example_inputs, measure_agreement(device) if world > 1 else 0.0)  # for the simulated step
     whole_state(model, optimizer)  # a zero step's rows on other ranks would capture another step
     graph = capture_graph(model, loss_fn, optimizer, example_inputs, name=type(model).__name__,
                           clip_grad_norm=clip_grad_norm, autocast=autocast)
@@ -71,11 +72,11 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
-    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner)
+    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner, host)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
         mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
         def rival(s: Strategy) -> DistributedStep:
-            return _placed_step(model, optimizer, graph, s, cl, costs, timeout_s)
+            return _placed_step(model, optimizer, graph, s, cl, costs, timeout_s, host=host)
 
         # One process: the whole step on rank 0's device (the others send their shards' rows and wait)
         one = (None if world < 2 or len(set(strategy.placement.values())) < 2 else
@@ -86,12 +87,13 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
 
 
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
-                 tuner: Tuner | None = None) -> DistributedStep:
-    """The DistributedStep of `strategy`, after checking that every rank compiled the same messages."""
+                 tuner: Tuner | None = None, host: tuple = (None, 0.0)) -> DistributedStep:
+    """The DistributedStep of `strategy` (`host`: a whole batch it takes and the ranks' agreement's
+    seconds, for its simulated time), after checking that every rank compiled the same messages."""
     placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     check_same(wiring)
-    return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner)
+    return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner, *host)
 
 
 def whole_batch(shard: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import statistics
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -53,7 +54,8 @@ class DistributedStep(PlacedStep):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, placed: Placed,
                  wiring: Wiring, timeout_s: float = DEFAULT_TIMEOUT_S, graph: OpGraph | None = None,
                  cluster: Cluster | None = None, costs: MeasuredCosts | None = None,
-                 tuner: Tuner | None = None) -> None:
+                 tuner: Tuner | None = None, example: Sequence[torch.Tensor] | None = None,
+                 agree_s: float = 0.0) -> None:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = timedelta(seconds=timeout_s)
@@ -65,6 +67,9 @@ class DistributedStep(PlacedStep):
         self._placed, self.wiring = placed, wiring
         self.buffers = Buffers(wiring, self.rank, placed.programs.targets[self.rank])
         self._feed: Feed | None = None
+        self.example = example  # a whole batch the step takes: `host_seconds` runs its dry run on it
+        self.agree_s = agree_s  # the ranks' agreement on a batch's shards (`measure_agreement`)
+        self._host: tuple = (None, 0.0)  # (the programs it was measured for, `host_seconds`)
         if self.rank == 0:
             _guard(model, optimizer)
 
@@ -96,6 +101,26 @@ class DistributedStep(PlacedStep):
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
         self.whole_state()
         t0 = time.perf_counter()
+        tuning = self.tuner is not None and self.tuner.active
+        params, tensors, envs, run = self._begin(batch, [] if tuning else None)
+        with torch.no_grad(), self._failing():
+            run.run()
+        self._keep(envs, params, tensors)
+        if self.wiring.everywhere:
+            _HELD.pop(self.optimizer, None)
+        else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
+            _HELD[self.optimizer] = _Held(self.placed.strategy, self.placed.lowered.step, self.wiring.truth,
+                                          bool(self.wiring.gathers))
+        loss = weighted_loss(envs, self.placed.programs) if self.rank == 0 else None
+        stepped(self.optimizer)
+        if tuning:
+            self._tune(time.perf_counter() - t0, run.timings)
+        return loss
+
+    def _begin(self, batch: Sequence[torch.Tensor], timings: list | None) -> tuple:
+        """This rank's start of a step: (the parameters, every tensor of the model and optimizer the step
+        reads, the replicas' tables, its run) from its shard, whose rows travel first, or from the whole
+        batch; the prelude run."""
         low, programs = self.placed.lowered, self.placed.programs
         step = low.step
         whole = self.world == 1 or len(batch) > 0 and batch[0].shape[0] == step.batch * low.replicas
@@ -108,35 +133,69 @@ class DistributedStep(PlacedStep):
         params, buffers, states, _, hypers = step.arguments(self.model, self.optimizer, batch)
         envs = (replica_envs(low, programs, params, buffers, states, batch, hypers) if whole else
                 replica_tables(low, programs, params, buffers, states, shares, hypers, weights))
-        tuning = self.tuner is not None and self.tuner.active
-        run = RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers,
-                      [] if tuning else None, self.placed.budgets)
+        run = RankRun(low, programs, self.wiring, envs, self.rank, self.timeout, self.buffers, timings,
+                      self.placed.budgets)
         with torch.no_grad():
             for env in envs:
                 for name in low.prelude:  # a view of an input this rank does not hold is read nowhere here
                     if all(a.name in env for a in programs.nodes[name].all_input_nodes):
                         run.call(name, env)
-            with self._failing():
-                run.run()
-        tensors = [*params, *buffers, *(s for ss in states for s in ss)]
-        slots = [(p, k) for p, keys in zip(params, step.state_keys) for k in keys]
-        self._keep(envs, dict(zip(programs.placeholders, tensors)),
-                   dict(zip(programs.placeholders[len(params) + len(buffers):], slots)))
-        if self.wiring.everywhere:
-            _HELD.pop(self.optimizer, None)
-        else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
-            _HELD[self.optimizer] = _Held(self.placed.strategy, step, self.wiring.truth,
-                                          bool(self.wiring.gathers))
-        loss = weighted_loss(envs, programs) if self.rank == 0 else None
-        stepped(self.optimizer)
-        if tuning:
-            self._tune(time.perf_counter() - t0, run.timings)
-        return loss
+        return params, [*params, *buffers, *(s for ss in states for s in ss)], envs, run
 
-    def _keep(self, envs: list[dict], named: dict[str, torch.Tensor], slots: dict[str, tuple]) -> None:
-        """The step's new state into the model and optimizer (`named`: by placeholder; `slots`: a state's
-        parameter and key): the slices other ranks wrote into this rank's buffers, and the values this rank
+    @property
+    def simulated_s(self) -> float:
+        """The simulated step of this rank: the simulator's time for the plan's devices and messages, plus
+        what the step does before and after them: the rows of the batch that travel between the ranks
+        (`Feed.seconds`, on the cluster's links), the ranks' agreement on the shards (measured: `agree_s`) and
+        this rank's host work (`host_seconds`)."""
+        try:
+            feed = self.feed.seconds(self.cluster) if self.cluster is not None and self.world > 1 else 0.0
+        except FasttError:  # a batch that does not split into the ranks' shards runs whole: nothing travels
+            feed = 0.0
+        return self.placed.simulated_s + feed + self.agree_s + self.host_seconds()
+
+    def host_seconds(self, runs: int = 5) -> float:
+        """Seconds a step of the running plan spends on this rank outside its device's work, its messages and
+        the batch's rows: checking the batch, binding the model's and optimizer's tensors, the replicas'
+        tables and the prelude, keeping the new state and the loss. The median of `runs` dry runs (once per
+        plan) on the whole example batch, in which nothing travels and the state stands for the new state;
+        the model and the optimizer are left as they were. Without an example batch: 0."""
+        programs = self.placed.programs
+        if self._host[0] is not programs:
+            self._host = (programs, statistics.median(self._dry() for _ in range(runs))
+                          if self.example is not None else 0.0)
+        return self._host[1]
+
+    def _dry(self) -> float:
+        """Seconds of one dry run of this rank's host work (`host_seconds`)."""
+        t0 = time.perf_counter()
+        params, tensors, envs, _ = self._begin(self.example, None)
+        begun = time.perf_counter() - t0
+        programs, named = self.placed.programs, dict(zip(self.placed.programs.placeholders, tensors))
+        for c in self.wiring.merge[self.rank]:  # what the other ranks' slices would be: the same, copied
+            envs[0][c.name] = torch.tensor_split(named[c.buffer], c.parts, c.dim)[c.index].clone()
+        for x, (k, value) in self.wiring.keep[self.rank].items():
+            t = named[x]
+            envs[k][value] = t.detach() if isinstance(t, torch.nn.Parameter) else t.clone()
+        if self.rank == 0:
+            for env in envs:
+                env[programs.outputs[0]] = torch.zeros(())
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self._keep(envs, params, tensors)
+        if self.rank == 0:
+            weighted_loss(envs, programs)
+        return begun + time.perf_counter() - t0
+
+    def _keep(self, envs: list[dict], params: Sequence[torch.Tensor],
+              tensors: Sequence[torch.Tensor]) -> None:
+        """The step's new state into the model and optimizer (`tensors`: every one the step reads, in its
+        placeholders' order): the slices other ranks wrote into this rank's buffers, and the values this rank
         keeps (a sharded update's rows of its state in place of the whole, or back to the whole)."""
+        programs, step = self.placed.programs, self.placed.lowered.step
+        named = dict(zip(programs.placeholders, tensors))
+        slots = dict(zip(programs.placeholders[len(tensors) - sum(map(len, step.state_keys)):],
+                         [(p, k) for p, keys in zip(params, step.state_keys) for k in keys]))
         for c in self.wiring.merge[self.rank]:
             torch.tensor_split(named[c.buffer], c.parts, c.dim)[c.index].copy_(envs[0][c.name])
         for x, (k, value) in self.wiring.keep[self.rank].items():
