@@ -99,26 +99,31 @@ def render(data: dict) -> str:
            "",
            "Each row: `fastt run --launcher torchrun --devices cpu:N --network RATE`, torchrun's ranks in a private",
            "network namespace whose loopback a tc token bucket caps at RATE (one link shared by every rank). The",
-           "links are fitted on transfers measured through the cap; `simulated` is the plan's simulated step on",
-           "them. `eager` is plain PyTorch in one process on rank 0 with a rank's one core (the one-process",
-           "baseline: one device). fastt's plan races DP and one process (the whole step on rank 0) for 3 steps",
-           "and keeps the fastest (`kept`). Times are medians of the steps after the first, one run per row, on",
-           "a machine of 2 cores: compare within a row.",
+           "links are fitted on transfers measured through the cap, and the CPU time a rank spends per byte",
+           "it sends or receives on the gather's CPU time (`copy`); `simulated` is the plan's simulated step on",
+           "them, with the rows of the batch that travel, the ranks' agreement on the shards and a dry run of",
+           "the rank's host work before and after the plan's own ops and messages. `eager` is plain PyTorch in",
+           "one process on rank 0 with a rank's one core (the one-process baseline: one device). fastt's plan",
+           "races DP and one process (the whole step on rank 0) for 3 steps and keeps the fastest (`kept`). A",
+           "step is timed on every rank from a barrier to the end of its own step, the slowest rank's time",
+           "counting; times are medians of the steps after the first, one run per row, on a machine of 2",
+           "cores: compare within a row.",
            "",
-           "| ranks | rate | model | link (fitted) | planner | measured ms | simulated ms | error |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| ranks | rate | model | link (fitted) | copy | planner | measured ms | simulated ms | error |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "failed" in row:
-            out.append(f"| | {row['network']} | {row['model']} | | failed: {row['failed']} | | | |")
+            out.append(f"| | {row['network']} | {row['model']} | | | failed: {row['failed']} | | | |")
             continue
         (link,) = row["links"].values() or ({"bandwidth": 0.0},)
         fitted = f"{link['bandwidth'] * 8 / 1e9:.2f} Gbit/s"
+        copy = f"{row['comm_s_per_byte'] * 1e9:.2f} ns/B" if "comm_s_per_byte" in row else "-"
         for r in row["results"]:
             sim = f"{r['simulated_iteration_s'] * 1e3:.1f}" if r["simulated_iteration_s"] else "-"
             err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
             kept = f" (kept {r['trial']['kept']})" if r.get("trial") else ""
             out.append(f"| {row['devices'].split(':')[1]} | {row['network']} | {row['model']} | {fitted} | "
-                       f"{r['planner']}{kept} | {r['measured_iteration_s'] * 1e3:.1f} | {sim} | {err} |")
+                       f"{copy} | {r['planner']}{kept} | {r['measured_iteration_s'] * 1e3:.1f} | {sim} | {err} |")
     checked = [row for row in rows if row.get("max_param_rel_diff") is not None]
     out += ["", "## Correctness on 4 ranks", ""]
     out += [f"- {row['model']} at {row['network']}, 4 ranks: largest relative parameter difference from the "

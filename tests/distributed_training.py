@@ -77,6 +77,8 @@ def main(name: str, planners: str, path: str) -> None:
         ref = make(name)[:3]
         start = copy.deepcopy((model.state_dict(), opt.state_dict()))
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, clip_grad_norm=clip)
+        step(*shard_of(batch_like(inputs, 0), dist.get_rank(), dist.get_world_size()))  # the optimizer's
+        step.sync()  # state exists, rank 0 holds all of it
         before = copy.deepcopy((model.state_dict(), opt.state_dict()))
         out.setdefault("host", {})[planner] = {  # the simulated step's parts; its dry run changes nothing
             "simulated_s": step.simulated_s, "placed_s": step.placed.simulated_s, "dry_s": step.host_seconds(),
