@@ -19,7 +19,8 @@ from .faults import alone_on_rank0
 from .groups import Direction, directions, reducers
 from .packing import Leaf, pack, packed_size, unpack
 
-GATHER_SHAPES = ((16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))  # (tensors, floats each)
+# (tensors, floats each); the first, one tiny tensor, pins the fixed cost (`fit_gather`)
+GATHER_SHAPES = ((1, 16), (16, 16), (256, 16), (16, 2**16), (256, 2**12), (16, 2**18))
 
 
 def rank_device() -> torch.device:
