@@ -77,13 +77,16 @@ def main(name: str, planners: str, path: str) -> None:
         ref = make(name)[:3]
         start = copy.deepcopy((model.state_dict(), opt.state_dict()))
         step = parallelize_distributed(model, loss_fn, opt, inputs, planner, cl=cl, clip_grad_norm=clip)
+        if dist.get_rank() == 0:  # alone, before any step: a dry run calls no collective (it would hang)
+            step._dry()
         step(*shard_of(batch_like(inputs, 0), dist.get_rank(), dist.get_world_size()))  # the optimizer's
         step.sync()  # state exists, rank 0 holds all of it
         before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        dry = step._dry()
         out.setdefault("host", {})[planner] = {  # the simulated step's parts; its dry run changes nothing
+            "unchanged": same(before, (model.state_dict(), opt.state_dict())), "dry_once_s": dry,
             "simulated_s": step.simulated_s, "placed_s": step.placed.simulated_s, "dry_s": step.host_seconds(),
-            "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agree_s,
-            "unchanged": same(before, (model.state_dict(), opt.state_dict()))}
+            "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agree_s}
         out[planner] = {}
         for schedule in SCHEDULES:
             model.load_state_dict(start[0])  # every rank starts each schedule from the same state

@@ -31,7 +31,7 @@ from ..step import PlacedStep
 from ..tune import Tuner
 from .executor import Buffers, RankRun
 from .faults import DEFAULT_TIMEOUT_S, LostPeer, RankError, alone_on_rank0, lost, record_failure, wait_done
-from .groups import directions
+from .groups import directions, reducers
 from .packing import Leaf, pack, packed_size, unpack
 from .wiring import Wiring, reads, wire
 
@@ -70,8 +70,16 @@ class DistributedStep(PlacedStep):
         self.example = example  # a whole batch the step takes: `host_seconds` runs its dry run on it
         self.agree_s = agree_s  # the ranks' agreement on a batch's shards (`measure_agreement`)
         self._host: tuple = (None, 0.0)  # (the programs it was measured for, `host_seconds`)
+        self._connect()
         if self.rank == 0:
             _guard(model, optimizer)
+
+    def _connect(self) -> None:
+        """Make the process groups of the plan's collectives, a collective of every rank: where every rank
+        places the plan together, so that a rank's own `RankRun` (a step's, or `host_seconds`' dry run alone)
+        only finds them."""
+        w = self.wiring
+        reducers([*(c.ranks for c in w.collectives), *(g.ranks for g in w.gathers)], self.buffers.device)
 
     @property
     def placed(self) -> Placed:
@@ -331,6 +339,7 @@ class DistributedStep(PlacedStep):
         truth_to_rank0(self.model, self.optimizer, self.timeout)
         self.placed = placed
         check_same(self.wiring)
+        self._connect()
         sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
 
 
