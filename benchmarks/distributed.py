@@ -107,17 +107,17 @@ def render(data: dict) -> str:
     lines += ["", ("How the simulator models this runtime: what a segment hands to another rank leaves when the "
                    "segment ends, in one message; allreduces that become ready together are averaged in one "
                    "collective, at the fitted gather's cost; the ranks of a node share one link."),
-              "", ("What it still misses: the step's Python work outside the segments (binding parameters, the "
-                   "replicas' tables, writing the new state back); compute slowed by the gloo threads on the same "
-                   "cores; and what a message costs the ranks themselves. The fitted link is one message with the "
-                   "other rank idle. In a step both ranks compute on the two cores that also run gloo's threads, and "
-                   "each message costs its sender the packing and the `isend` call (gloo writes to the socket in the "
-                   "caller) and its receiver the unpacking, on top of the link. The dpos plans hand values over at "
-                   "every cut (inception_v3: about 180 messages a step). The simulator charges a message to the link "
-                   "only, so it puts such plans far under their measured time (dpos rows), and the planner, which "
-                   "also sends per op and reduces per gradient, can prefer them. Before training, `fastt` races its plan against data "
-                   "parallelism for a few steps and keeps the faster (FastT's rule); with `--tune` it runs FastT's "
-                   "tuning loop during training instead."),
+              "", ("Around the plan, a rank's simulated step adds the rows of the batch that travel (on the link), "
+                   "the ranks' agreement on the shards (measured) and a dry run of the rank's host work (binding "
+                   "the tensors, the replicas' tables, keeping the new state). A rank's cores also run gloo's "
+                   "copies: the CPU time a byte sent or received takes (fitted on the gather's CPU time) is "
+                   "charged to the sender and the receiver, delaying their next op. What it still misses: the "
+                   "rest of what gloo's threads cost the ops beside them on the same 2 cores, and the Python "
+                   "around each message (`isend`, `irecv`, the waits) beyond the fitted link latency. The dpos "
+                   "plans hand values over at every cut (inception_v3: about 180 messages a step), so the "
+                   "simulator puts them under their measured time (dpos rows). Before training, `fastt` races "
+                   "its plan against data parallelism and one process for a few steps and keeps the fastest "
+                   "(FastT's rule); with `--tune` it runs FastT's tuning loop during training instead."),
               "", "## NCCL", "",
               ("The same runtime runs a GPU per rank over NCCL (`torchrun ... -m fastt.launch --device cuda`, "
                "`fastt run --devices cuda --launcher torchrun`): each direction between two ranks has its own "
