@@ -241,6 +241,20 @@ def test_released_gradients_are_reduced_together_after_their_segment() -> None:
     assert at(together, g, "r0/g2") == (1.0, 2.0)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_rank_of_an_allreduce_pays_for_what_it_sends_and_receives(n: int) -> None:
+    """With `comm_s_per_byte` every device of an allreduce is busy for what it sends and receives (2(n-1)/n of
+    the bytes each way) from the moment the allreduce is requested: g1's and g2's (4000 bytes in all) delay the
+    updates past the ring's end."""
+    g, strategy = two_gradient_step(n)
+    per = {f"r{k}/{x}": t for k in range(n) for x, t in (("g1", 1.0), ("g2", 1.0), ("u1", 0.5), ("u2", 0.5))}
+    cl, c = mesh(n, bw=1000, lat=0.1), 1e-3
+    copying = replace(cl, devices=tuple(replace(d, comm_s_per_byte=c) for d in cl.devices))
+    charged = 2.0 + 2 * 2 * (n - 1) / n * 4000 * c + 1.0  # g1 and g2, the copies, then u1 and u2
+    assert simulate(g, strategy, cl, seconds(g, n, per)).iteration_s < charged - 5  # the ring alone
+    assert simulate(g, strategy, copying, seconds(g, n, per)).iteration_s == pytest.approx(charged)
+
+
 def test_release_sends_a_transfer_at_the_end_of_its_segment() -> None:
     b = Builder()
     b.add("a")
