@@ -66,6 +66,21 @@ def plan(g: OpGraph, n: int, placement: dict[str, int], holders: dict[str, tuple
     return Strategy("test", n, placement, tuple(tuple(o) for o in order), holders, replicas=g.replicas)
 
 
+def every_device(cl: Cluster, **fields: float) -> Cluster:
+    """`cl` with `fields` (a measured cost, e.g. wake_s) set on every device."""
+    return replace(cl, devices=tuple(replace(d, **fields) for d in cl.devices))
+
+
+def diamond(nbytes: int) -> Builder:
+    """a, read by b and c, both read by d: each edge `nbytes`."""
+    b = Builder()
+    b.add("a")
+    b.add("b", inputs={"a": nbytes})
+    b.add("c", inputs={"a": nbytes})
+    b.add("d", inputs={"b": nbytes, "c": nbytes})
+    return b
+
+
 def seconds(g: OpGraph, n: int, per_op: dict[str, float]) -> np.ndarray:
     return np.array([[per_op.get(op.name, 0.0)] * n for op in g.ops])
 
@@ -103,15 +118,11 @@ def test_a_device_woken_while_another_runs_pays_the_wake() -> None:
     """`Device.wake_s` is paid by an op whose device sat idle until another device's value came while some
     other device was running (b: device 0 runs c), not by one woken while the others wait (d: device 1 is
     done), nor one that waited for its own device (e)."""
-    b = Builder()
-    b.add("a")
-    b.add("b", inputs={"a": 1000})
-    b.add("c", inputs={"a": 1000})
-    b.add("d", inputs={"b": 1000, "c": 1000})
+    b = diamond(1000)
     b.add("e", inputs={"d": 1000})
     g = b.graph()
     two = mesh(2, bw=1000, lat=0.5)
-    woken = replace(two, devices=tuple(replace(d, wake_s=0.25) for d in two.devices))
+    woken = every_device(two, wake_s=0.25)
     st = plan(g, 2, {"a": 0, "b": 1, "c": 0, "d": 0, "e": 0})
     per_op = seconds(g, 2, {"a": 1, "b": 2, "c": 3, "d": 1, "e": 1})
     tl = simulate(g, st, woken, per_op)
@@ -126,14 +137,9 @@ def test_a_rank_whose_cores_copy_pays_for_what_it_sends_and_receives() -> None:
     """`Device.comm_s_per_byte` (a distributed CPU rank, whose cores run gloo's copies) keeps the sender and
     the receiver busy for that long per byte from the moment a transfer is requested: b waits for device 1 to
     have received a's value, and d for device 0 to have sent a's and received b's."""
-    b = Builder()
-    b.add("a")
-    b.add("b", inputs={"a": 1000})
-    b.add("c", inputs={"a": 1000})
-    b.add("d", inputs={"b": 1000, "c": 1000})
-    g = b.graph()
+    g = diamond(1000).graph()
     two = mesh(2, bw=1000, lat=0.5)
-    copying = replace(two, devices=tuple(replace(d, comm_s_per_byte=0.002) for d in two.devices))
+    copying = every_device(two, comm_s_per_byte=0.002)
     st = plan(g, 2, {"a": 0, "b": 1, "c": 0, "d": 0})
     per_op = seconds(g, 2, {"a": 1, "b": 2, "c": 3, "d": 1})
     # At 1 a's value leaves (1..2.5): device 0 runs c (1..4) then sends for 2 s (to 6), device 1 receives
@@ -146,12 +152,7 @@ def test_a_rank_whose_cores_copy_pays_for_what_it_sends_and_receives() -> None:
 
 
 def test_diamond() -> None:
-    b = Builder()
-    b.add("a")
-    b.add("b", inputs={"a": 100})
-    b.add("c", inputs={"a": 100})
-    b.add("d", inputs={"b": 100, "c": 100})
-    g = b.graph()
+    g = diamond(100).graph()
     tl = simulate(g, plan(g, 2, {"a": 0, "b": 0, "c": 1, "d": 0}), mesh(2, bw=100),
                   seconds(g, 2, {"a": 1, "b": 2, "c": 3, "d": 1}))
     # c: a's output arrives at 2, runs 2..5; its output reaches device 0 at 6; b finished at 3.
@@ -249,7 +250,7 @@ def test_each_rank_of_an_allreduce_pays_for_what_it_sends_and_receives(n: int) -
     g, strategy = two_gradient_step(n)
     per = {f"r{k}/{x}": t for k in range(n) for x, t in (("g1", 1.0), ("g2", 1.0), ("u1", 0.5), ("u2", 0.5))}
     cl, c = mesh(n, bw=1000, lat=0.1), 1e-3
-    copying = replace(cl, devices=tuple(replace(d, comm_s_per_byte=c) for d in cl.devices))
+    copying = every_device(cl, comm_s_per_byte=c)
     charged = 2.0 + 2 * 2 * (n - 1) / n * 4000 * c + 1.0  # g1 and g2, the copies, then u1 and u2
     assert simulate(g, strategy, cl, seconds(g, n, per)).iteration_s < charged - 5  # the ring alone
     assert simulate(g, strategy, copying, seconds(g, n, per)).iteration_s == pytest.approx(charged)
