@@ -18,6 +18,7 @@ from test_runtime import one_thread_per_device, pair, random_topological_rank  #
 
 import fastt
 from fastt.cluster import cluster
+from fastt.coarsen import ALIAS
 from fastt.cost import MeasuredCosts, replica_mean
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
@@ -68,9 +69,10 @@ def test_every_read_is_delivered_in_time(seed: int, replicas: int, n_dev: int, n
             for m in w.recv_before[d][i]:
                 msg = w.messages[m]
                 assert msg.dst == d and sent_after[m][0] == msg.src
-                for v in msg.values:
+                made = [v for v, _, _ in w.derived[m]]  # views of a value it carries, made by the receiver
+                for v in [*msg.values, *made]:
                     assert where[v][0] == msg.src and where[v][1] <= sent_after[m][1]
-                have.update(msg.values)
+                have.update(msg.values, made)
             for n in reads(low, programs, seg):
                 src = where.get((seg.replica, n))
                 if src is not None and src[0] != d and n not in carried:
@@ -188,6 +190,33 @@ def test_the_steps_constants_travel_nowhere() -> None:
     constants = {n.name for n in g.fx.gm.graph.nodes if n.op == "get_attr"}
     assert constants and constants <= set(placed.lowered.prelude) and w.messages
     assert not constants & {name for m in w.messages for _, name in m.values}
+
+
+def test_a_value_and_its_views_travel_once() -> None:
+    """A rank that reads a value another rank made and a view of it (bert-base's MLM head under Megatron's
+    plan: a gradient and its transpose, read in two segments, 8 MB each) gets the value once and makes the view
+    itself: no message to a rank carries a view of a value, no larger, that its rank made and that travels to
+    it too. The simulator charges an op's output once per destination."""
+    g = captured("bert-base")
+    placed = place(g, fastt.plan(g, "cpu:2", "megatron"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    w = wire(placed.lowered, placed.programs)
+    programs, nodes = placed.programs, placed.programs.nodes
+    where = {(t.replica, n): d for d, segs in enumerate(programs.devices) for seg in segs for t in seg.tasks
+             for n in t.nodes}
+    assert any(w.derived)
+    for m, made in zip(w.messages, w.derived):
+        assert {base for _, base, _ in made} <= set(m.values)
+        assert all(nodes[name].target in ALIAS for _, _, path in made for name in path)
+    for d in range(2):
+        carried = {v for m in w.messages if m.dst == d for v in m.values}
+        for k, name in carried:
+            node = nodes.get(name)
+            while node is not None and node.target in ALIAS and len(node.all_input_nodes) == 1:
+                node = node.all_input_nodes[0]
+                if where.get((k, node.name)) != where.get((k, name)):
+                    break
+                assert ((k, node.name) not in carried
+                        or node.meta["val"].numel() > nodes[name].meta["val"].numel()), (name, node.name)
 
 
 def test_pack_and_unpack_keep_values_and_captured_strides() -> None:

@@ -278,6 +278,12 @@ class RankRun(_Run):
             for v in m.values:
                 layout = self.wiring.layouts[v]
                 self.envs[v[0]][v[1]] = tree_unflatten([next(tensors) for _ in layout.leaves], layout.spec)
+            for v, base, path in self.wiring.derived[i]:  # views of a value it carried, made from it here
+                x = self.envs[base[0]][base[1]]
+                for name in path:
+                    node = self.programs.nodes[name]
+                    x = node.target(x, *node.args[1:], **node.kwargs)
+                self.envs[v[0]][v[1]] = x
 
     def send(self, ms: Sequence[int]) -> None:
         for i in ms:

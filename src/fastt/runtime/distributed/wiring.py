@@ -10,6 +10,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import TreeSpec
 
+from ...coarsen import ALIAS
 from ...errors import FasttError
 from ...lower import JOIN, PART, SHARD, Lowered, Task, part_names, part_reads
 from ...split import run_part, view_part
@@ -81,6 +82,9 @@ class Wiring:
     # the newest whole value of every placeholder (else another plan's step needs rank 0's state first).
     truth: tuple[tuple[str, int], ...] = ()
     everywhere: bool = True
+    # Per message, the values its receiver makes from one it carries (`_Post.need`: a view of that value),
+    # each as (value, the carried value, the view nodes from it).
+    derived: tuple[tuple[tuple[Value, Value, tuple[str, ...]], ...], ...] = ()
 
 
 class _Need(NamedTuple):
@@ -96,19 +100,60 @@ class _Post:
     the step's end) for one receiving point travel together in one buffer."""
 
     def __init__(self, where: dict[Value, int], segment_of: dict[Value, tuple[int, int]],
-                 programs: Programs) -> None:
-        self.where, self.segment_of = where, segment_of
+                 programs: Programs, rowed: dict[str, int]) -> None:
+        self.where, self.segment_of, self.rowed = where, segment_of, rowed
+        self.nodes, self.devices = programs.nodes, programs.devices
         self.messages: list[Message] = []
         self.sent: set[tuple[int, str, int]] = set()
         self.send_after: list[list[list[int]]] = [[[] for _ in segs] for segs in programs.devices]
+        # (replica, carried value, rank) -> {a view of it that the rank needs: the view nodes from it}
+        self.views: dict[tuple[int, str, int], dict[str, tuple[str, ...]]] = {}
 
     def need(self, k: int, name: str, d: int) -> _Need | None:
-        """Where replica k's `name` comes from when d needs it from another rank, else None."""
+        """Where replica k's `name` comes from when d needs it from another rank, else None. A view of a value
+        its rank made (a transpose, a reshape) travels as that value, which d makes the view of: a value and
+        its views read by d travel once (bert-base's MLM head under Megatron's plan sent an 8 MB gradient
+        twice, as itself and as its transpose, to two segments; the simulator charged it once)."""
         src = self.where.get((k, name))
-        if src is None or src == d or (k, name, d) in self.sent:
+        if src is None or src == d:
+            return None
+        base, path = self._base(k, name, src)
+        if path:
+            self.views.setdefault((k, base, d), {})[name] = path
+            name = base
+        if (k, name, d) in self.sent:
             return None
         self.sent.add((k, name, d))
         return _Need(src, self.segment_of.get((k, name), (src, -1))[1], (k, name))
+
+    def _base(self, k: int, name: str, src: int) -> tuple[str, tuple[str, ...]]:
+        """The deepest value that `name` is a view of, through view nodes of one input that neither take
+        part of it (its size at most `name`'s) nor start at an offset into its storage (`as_strided`), made on
+        rank `src` and left in its table by the segment that made it; with the view nodes from it to `name`.
+        (`name`, ()) where there is none."""
+        node = self.nodes.get(name)
+        val = node.meta.get("val") if node is not None else None
+        best: tuple[str, tuple[str, ...]] = (name, ())
+        if not isinstance(val, torch.Tensor) or name in self.rowed:
+            return best
+        path = []
+        while (node.target in ALIAS and node.target is not torch.ops.aten.as_strided.default
+               and len(node.all_input_nodes) == 1 and node.args and node.args[0] is node.all_input_nodes[0]):
+            path.append(node.name)
+            node = node.args[0]
+            v = node.meta.get("val")
+            if (not isinstance(v, torch.Tensor) or v.numel() > val.numel() or node.name in self.rowed
+                    or self.where.get((k, node.name)) != src):
+                break
+            made = self.segment_of.get((k, node.name))
+            if made is not None and node.name in self.devices[made[0]][made[1]].outputs:
+                best = (node.name, tuple(reversed(path)))
+        return best
+
+    def derived(self, m: Message) -> tuple[tuple[Value, Value, tuple[str, ...]], ...]:
+        """The values m's receiver makes from those m carries."""
+        return tuple(((k, view), (k, name), path) for k, name in m.values
+                     for view, path in self.views.get((k, name, m.dst), {}).items())
 
     def post(self, d: int, needs: Sequence[_Need], at_end: bool = False) -> tuple[int, ...]:
         """Messages to d carrying `needs`, one per source segment; sent after it or at the end."""
@@ -204,7 +249,8 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
     """All messages of a step of `programs`, one rank per device (see the package docstring)."""
     where, segment_of = _located(programs)
     carried = {name for names in low.allreduces.values() for name in names}
-    post = _Post(where, segment_of, programs)
+    rowed = _rows_made(low, programs)
+    post = _Post(where, segment_of, programs, rowed)
     recv_before, first_read = [], []
     for d, segs in enumerate(programs.devices):
         recvs, first = [], {}
@@ -228,7 +274,6 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                          "this plan cannot run distributed")
     order = order_collectives(low, programs, post.send_after, segment_of, first_read, recv_before,
                               {name: layouts[name].leaves[0] for name in grads}, _owners(low, programs))
-    rowed = _rows_made(low, programs)
     travel = {(k, name): layouts[name] if name not in rowed else _rows_layout(layouts[name], rowed[name], k)
               for k, name in values}
     leaves = tuple(tuple(leaf for v in m.values for leaf in travel[v].leaves) for m in post.messages)
@@ -238,7 +283,7 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
     return Wiring(tuple(post.messages), tuple(recv_before), order.reduce_before,
                   frozen(post.send_after), tuple(final), keep,
                   travel, chunks, merge, leaves, inbox, order.collectives, order.start_before,
-                  *_gathers(rowed_end, programs), truth, everywhere)
+                  *_gathers(rowed_end, programs), truth, everywhere, tuple(map(post.derived, post.messages)))
 
 
 def _final(low: Lowered, programs: Programs, where: dict[Value, int], post: _Post) -> tuple:
