@@ -19,7 +19,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,15 @@ class Cluster:
             return 0.0
         links = [self.links[k] for k in self.routes[src, dst]]
         return sum(lk.latency for lk in links) + nbytes / min(lk.bandwidth for lk in links)
+
+    def messages_time(self, messages: Iterable[tuple[int, int, float]]) -> float:
+        """Seconds the messages (src, dst, bytes), all sent at once, take on idle links that carry one at a
+        time: the busiest link's total."""
+        busy = [0.0] * len(self.links)
+        for src, dst, nbytes in messages:
+            for k in self.route(src, dst):
+                busy[k] += self.transfer_time(src, dst, nbytes)
+        return max(busy, default=0.0)
 
     def allreduce_cost(self, group: Sequence[int]) -> tuple[tuple[int, ...], float, float, float]:
         """Links, fixed seconds, seconds per byte and per tensor of an allreduce over `group` (in ring order).

@@ -219,7 +219,7 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
     row = {"planner": planner, "measured_iteration_s": measured, "simulated_iteration_s": step.simulated_s,
            "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-           "splits": len(step.strategy.splits), "setup_s": setup_s,
+           "splits": len(step.strategy.splits), "setup_s": setup_s, "joins_s": step.joins_s(),
            "trial": step.trial._asdict() if step.trial else None,
            "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
     if step_diffs:

@@ -82,12 +82,9 @@ class Feed:
     def seconds(self, cluster: Cluster) -> float:
         """Simulated seconds of the pieces on `cluster` (a device per rank) before the step's own work: one
         message per (sender, receiver), each link carrying one at a time."""
-        busy = [0.0] * len(cluster.links)
-        for (src, dst), pieces in itertools.groupby(self.pieces, lambda p: (p.src, p.dst)):
-            nbytes = sum(math.prod(self.leaf(p)[0]) * self.leaves[p.input][1].itemsize for p in pieces)
-            for k in cluster.route(src, dst):
-                busy[k] += cluster.transfer_time(src, dst, nbytes)
-        return max(busy, default=0.0)
+        return cluster.messages_time(
+            (src, dst, sum(math.prod(self.leaf(p)[0]) * self.leaves[p.input][1].itemsize for p in pieces))
+            for (src, dst), pieces in itertools.groupby(self.pieces, lambda p: (p.src, p.dst)))
 
     def rows(self, rank: int, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the whole batch from `x`, input x of `rank`'s shard."""
