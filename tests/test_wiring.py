@@ -63,6 +63,8 @@ def test_every_read_is_delivered_in_time(seed: int, replicas: int, n_dev: int, n
                     where[t.replica, n] = (d, i)
     carried = {n for names in low.allreduces.values() for n in names}
     sent_after = {m: (d, i) for d, segs in enumerate(w.send_after) for i, ms in enumerate(segs) for m in ms}
+    # one message from a segment to a rank, as the simulator moves an op's output to a device once
+    assert len({(*sent_after[m], w.messages[m].dst) for m in sent_after}) == len(sent_after)
     for d, segs in enumerate(programs.devices):
         have: set = set()
         for i, seg in enumerate(segs):

@@ -253,15 +253,21 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
     post = _Post(where, segment_of, programs, rowed)
     recv_before, first_read = [], []
     for d, segs in enumerate(programs.devices):
-        recvs, first = [], {}
+        # What d reads from one segment of another rank travels in one message, before the first of d's
+        # segments that reads any of it (each value is needed no later; that segment waits for the sender's
+        # anyway): one message per (sender's segment, rank), as the simulator moves an op's output to a
+        # device once (dlrm's table-wise plan sent each of 10 gradient columns to another segment of rank 0).
+        first, at = {}, {}
+        bins: list[list[_Need]] = [[] for _ in segs]
         for i, seg in enumerate(segs):
-            needs = [post.need(seg.replica, name, d) for name in reads(low, programs, seg)
-                     if name not in carried]
-            recvs.append(post.post(d, [x for x in needs if x]))
+            for need in (post.need(seg.replica, name, d) for name in reads(low, programs, seg)
+                         if name not in carried):
+                if need is not None:
+                    bins[at.setdefault(need[:2], i)].append(need)
             for a in seg.waits:
                 if a in low.allreduces:
                     first.setdefault(a, i)
-        recv_before.append(tuple(recvs))
+        recv_before.append(tuple(post.post(d, needs) for needs in bins))
         first_read.append(first)
     final, keep, chunks, merge, rowed_end, truth, everywhere = _final(low, programs, where, post)
     values = list(dict.fromkeys(v for m in post.messages for v in m.values))
