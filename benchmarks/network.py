@@ -101,8 +101,9 @@ def render(data: dict) -> str:
            "network namespace whose loopback a tc token bucket caps at RATE (one link shared by every rank). The",
            "links are fitted on transfers measured through the cap, and the CPU time a rank spends per byte",
            "it sends or receives on the gather's CPU time (`copy`); `simulated` is the plan's simulated step on",
-           "them, with the rows of the batch that travel, the ranks' agreement on the shards and a dry run of",
-           "the rank's host work before and after the plan's own ops and messages. `eager` is plain PyTorch in",
+           "them, with the rows of the batch that travel, the parts of tensor-parallel weights joined at the end,",
+           "the ranks' agreement on the shards and a dry run of the rank's host work before and after the plan's",
+           "own ops and messages. `eager` is plain PyTorch in",
            "one process on rank 0 with a rank's one core (the one-process baseline: one device). fastt's plan",
            "races DP and one process (the whole step on rank 0) for 3 steps and keeps the fastest (`kept`). A",
            "step is timed on every rank from a barrier to the end of its own step, the slowest rank's time",
@@ -121,7 +122,8 @@ def render(data: dict) -> str:
         for r in row["results"]:
             sim = f"{r['simulated_iteration_s'] * 1e3:.1f}" if r["simulated_iteration_s"] else "-"
             err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
-            kept = f" (kept {r['trial']['kept']})" if r.get("trial") else ""
+            kept = (f" (kept {r['trial']['kept']}{', DP not raced' if r['trial']['dp_s'] is None else ''})"
+                    if r.get("trial") else "")
             out.append(f"| {row['devices'].split(':')[1]} | {row['network']} | {row['model']} | {fitted} | "
                        f"{copy} | {r['planner']}{kept} | {r['measured_iteration_s'] * 1e3:.1f} | {sim} | {err} |")
     checked = [row for row in rows if row.get("max_param_rel_diff") is not None]
@@ -142,20 +144,24 @@ WHY = ["## Where the simulator and the runtime part", "",
        "  one-process plan (timed per phase on rank 0, 1gbit): before the plan's ops, rank 0 waits for rank",
        "  1's checks, rows and agreement 0.9-2.3 ms, against 0.45 ms simulated.",
        "- megatron: at the end of a step the parts of each tensor-parallel weight and of its state are",
-       "  gathered on every rank that reads the weight (`wiring._chained_end`), which the simulator does not",
-       "  model; keeping each rank's own part in place would remove that traffic.",
+       "  gathered on every rank that reads the weight (`wiring._chained_end`; bert-base: 9.7 MB a step), which",
+       "  the simulated step now counts (`joins_s`; -44% before). Keeping each rank's own part in place, as",
+       "  Megatron-LM does, would remove that traffic. A view of a value (the MLM head's gradient and its",
+       "  transpose) used to travel beside the value: 92.2 MB of messages a step, now 72.5.",
        "- gloo's copies run on the cores the ops run on: a rank spends 0.44-0.64 ns of CPU time per byte it",
        "  sends or receives (`copy`, from the gather's CPU time, at either rate), charged to the rank by the",
        "  simulator (`Device.comm_s_per_byte`). At 10gbit, where the copying is about half of an average's",
        "  time, simulated times read 8-20% low in one run and 11-40% low in the next (9-25% before the",
        "  charge and the step's floor), the same DP plan of vgg19 measuring 76.3 ms in one and 96.1 in the",
        "  other: on 2 cores the run-to-run spread is as large as the error. The median over the 2-rank rows",
-       "  was 11% in the first run and 14% in this one.",
+       "  was 11% and 14% in two runs before the changes to megatron's and dlrm's messages, 8% in this one.",
        "- dlrm's owt and table-wise plans run 34-39 collectives and 53-60 messages a step. Three runs of",
        "  owt at 1gbit measured 14.6, 18.6 and 25.6 ms. A collective's fixed cost is pinned by averaging one",
-       "  tiny tensor (0.67-0.74 ms; the fit on large exchanges alone gave anywhere from 0 to 0.46 ms). The",
-       "  runtime sends more messages than the simulator has transfers (owt: 60 against 40, values packed",
-       "  per segment): 20 latencies the simulator does not charge.",
+       "  tiny tensor (0.67-0.74 ms; the fit on large exchanges alone gave anywhere from 0 to 0.46 ms). What a",
+       "  rank reads from one segment of another now travels in one message (owt: 38 a step, the simulator's",
+       "  transfers 40; table-wise 29 against 30; 60 and 53 before). Their bytes still differ: where a rank's",
+       "  ops read different columns of one op's output, the runtime sends each and the simulator the largest",
+       "  (table-wise: 0.106 MB against 0.058).",
        "- On 4 ranks, 4 processes share 2 cores while every rank measures its op times at once, so a plan",
        "  that computes on one rank is simulated slow (vgg19's one-process plan: 218 ms against 150).",
        "- A step no longer sends rank 0 every new value (rank 0's model becomes the truth on `step.sync()`):",
