@@ -172,9 +172,10 @@ class DistributedStep(PlacedStep):
         w, joined = self.wiring, self.placed.lowered.joined
         if self.cluster is None or self.world < 2 or not joined:
             return 0.0
-        def nbytes(v: tuple[int, str]) -> int:
-            chained = v[1].rsplit("#", 1)[0] in joined
-            return sum(math.prod(x.shape) * x.dtype.itemsize for x in w.layouts[v].leaves if x and chained)
+        def nbytes(v: tuple[int, str]) -> int:  # of a chained update's part (`name#k`), else 0
+            if v[1].rsplit("#", 1)[0] not in joined:
+                return 0
+            return sum(math.prod(x.shape) * x.dtype.itemsize for x in w.layouts[v].leaves if x is not None)
         ends = [(m.src, m.dst, sum(map(nbytes, m.values))) for m in (w.messages[i] for i in w.final)]
         return self.cluster.messages_time(end for end in ends if end[2])
 
