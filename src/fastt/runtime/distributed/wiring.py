@@ -108,16 +108,18 @@ class _Post:
         self.send_after: list[list[list[int]]] = [[[] for _ in segs] for segs in programs.devices]
         # (replica, carried value, rank) -> {a view of it that the rank needs: the view nodes from it}
         self.views: dict[tuple[int, str, int], dict[str, tuple[str, ...]]] = {}
+        self.ending = False  # the end-of-step messages: their values travel as they are
 
     def need(self, k: int, name: str, d: int) -> _Need | None:
         """Where replica k's `name` comes from when d needs it from another rank, else None. A view of a value
         its rank made (a transpose, a reshape) travels as that value, which d makes the view of: a value and
         its views read by d travel once (bert-base's MLM head under Megatron's plan sent an 8 MB gradient
-        twice, as itself and as its transpose, to two segments; the simulator charged it once)."""
+        twice, as itself and as its transpose, to two segments; the simulator charged it once). Not at the
+        end of the step, when the value a view was made of may be gone from its rank's table."""
         src = self.where.get((k, name))
         if src is None or src == d:
             return None
-        base, path = self._base(k, name, src)
+        base, path = (name, ()) if self.ending else self._base(k, name, src)
         if path:
             self.views.setdefault((k, base, d), {})[name] = path
             name = base
@@ -269,6 +271,7 @@ def wire(low: Lowered, programs: Programs) -> Wiring:
                     first.setdefault(a, i)
         recv_before.append(tuple(post.post(d, needs) for needs in bins))
         first_read.append(first)
+    post.ending = True
     final, keep, chunks, merge, rowed_end, truth, everywhere = _final(low, programs, where, post)
     values = list(dict.fromkeys(v for m in post.messages for v in m.values))
     info = {c.name: c for cs in chunks for c in cs}
