@@ -45,10 +45,9 @@ class Buffers:
     def __init__(self, wiring: Wiring, rank: int, device: torch.device) -> None:
         kept = set(wiring.keep[rank].values())
         names = {name for _, name in kept}
-        made = wiring.derived or [()] * len(wiring.messages)  # views of its values: of its buffer too
-        self.fresh = frozenset([
+        self.fresh = frozenset([  # a view the rank makes of a message's value is of its buffer too
             *(i for i, m in enumerate(wiring.messages)
-              if m.dst == rank and kept & {*m.values, *(v for v, _, _ in made[i])}),
+              if m.dst == rank and kept & {*m.values, *(v for v, _, _ in wiring.derived[i])}),
             *(c for c, col in enumerate(wiring.collectives) if names & set(col.names))])
         self.kept: dict[int | tuple, torch.Tensor] = {}
         self.device = device

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import statistics
 import time
 import weakref
@@ -172,10 +171,8 @@ class DistributedStep(PlacedStep):
         w, joined = self.wiring, self.placed.lowered.joined
         if self.cluster is None or self.world < 2 or not joined:
             return 0.0
-        def nbytes(v: tuple[int, str]) -> int:  # of a chained update's part (`name#k`), else 0
-            if v[1].rsplit("#", 1)[0] not in joined:
-                return 0
-            return sum(math.prod(x.shape) * x.dtype.itemsize for x in w.layouts[v].leaves if x is not None)
+        def nbytes(v: tuple[int, str]) -> int:  # of a chained update's part (`name#k`) in its buffer, else 0
+            return packed_size(w.layouts[v].leaves) if v[1].rsplit("#", 1)[0] in joined else 0
         ends = [(m.src, m.dst, sum(map(nbytes, m.values))) for m in (w.messages[i] for i in w.final)]
         return self.cluster.messages_time(end for end in ends if end[2])
 
