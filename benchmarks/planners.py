@@ -142,6 +142,7 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
     slow = [f"{m} on {c} ({by['fastt']['plan_s']:.0f} s)" for (m, c), by in cases.items()
             if by.get("fastt", {}).get("plan_s", 0) > 10]
     misfit = [f"{m} on {c}" for (m, c), by in cases.items() if not by.get("dp", {}).get("fits", True)]
+    left_out = [m for m in MODELS if m not in {m for m, _ in cases}]
     notes = f"""## Reading the table
 
 - `fastt` is the fastest simulated of the expert plans that apply (`owt`, `table-wise`, `pipeline`), the spread
@@ -154,7 +155,8 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
 - /LB is fastt's time over the simulator's lower bound (the critical path with every op on its fastest device,
   or the total work spread evenly, whichever is larger): what is left to win, at most.
 - Cases where DP does not fit: {", ".join(misfit) or "none"}.
-- Planning took longer than 10 s in: {", ".join(slow) or "no case"}.
+- Planning took longer than 10 s in: {", ".join(slow) or "no case"}{
+    f" (of the models run; not run: {', '.join(left_out)})" if left_out else ""}.
 - Simulated with roofline costs (GPU kernels at the fraction of peak their size reaches, `fastt.cost`); these plans run on the local and the distributed runtimes (tests/test_mixed.py,
   tests/test_search.py check that training with them equals eager PyTorch), but their speed on real GPUs has not
   been measured here (no GPU was lent).

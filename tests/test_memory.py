@@ -111,7 +111,9 @@ def test_the_simulated_peak_is_at_least_the_real_one_and_close(name: str, planne
     on the device that held most (mlp under zero, 6 runs on a quiet machine: the device behind 28.7 MB, the one
     ahead 30.8-36.1, simulated 37.2), and safe within RACE."""
     measured, simulated, replicas = _peaks(name, "fastt" if strategy_of else planner, strategy_of)
-    raced = replicas == len(measured)
+    # The split plan races too: its devices trade the parts of every layer mid-step (mlp, device 1: 10.53 MB
+    # in four runs here, 7.38 once in a CI run, simulated 12.59; device 0 44.67 against 48.92).
+    raced = replicas == len(measured) or planner == "split"
     for d, (m, s) in enumerate(zip(measured, simulated)):
         assert m <= s * (RACE if raced else 1), f"device {d}: simulated {s / 1e6:.2f} MB, measured {m / 1e6:.2f} MB"
     for m, s in [(max(measured), max(simulated))] if raced else zip(measured, simulated):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -189,9 +190,12 @@ def test_random_steps_shard_every_update_hold_a_share_of_the_state_and_halve_eac
 
 
 def test_sharded_updates_hold_less_for_real() -> None:
-    """Measured (the runtime's storage meter, counted as a GPU would hold it): under `zero` each device of
-    cpu:2 holds at most 0.7 of what it holds under DP (mlp with Adam: its moments, their new values and its
-    rows of the mean gradient halved), and the simulator's peak is at least the measured one."""
+    """Measured (the runtime's storage meter, counted as a GPU would hold it): under `zero` the device of cpu:2
+    that holds most holds at most 0.7 of what the one that holds most holds under DP (mlp with Adam: its
+    moments, their new values and its rows of the mean gradient halved), and the simulator's peak is at least
+    the measured one on every device. Which device holds more is a race (how far apart the two run), so each
+    device's peak is the median of 3 steps and the largest is compared: one step of a CI run measured zero
+    47.65 and 39.24 MB against DP's 67.68 on both (0.704), where 3 steps on a quiet machine give 0.64."""
     from fastt.runtime.memory import measured_peaks
     from fastt.runtime.programs import release_points
 
@@ -199,9 +203,9 @@ def test_sharded_updates_hold_less_for_real() -> None:
     for planner in ("dp", "zero"):
         w = zoo.get("mlp", "test", optimizer="adam")
         step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", planner, trial=False)
-        measured = measured_peaks(step, w.example_inputs)
+        measured = [statistics.median(x) for x in zip(*(measured_peaks(step, w.example_inputs) for _ in range(3)))]
         tl = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
                            release=release_points(step.lowered, step.placed.programs))
         assert all(m <= s for m, s in zip(measured, tl.peak_memory_bytes)), (planner, measured, tl)
         peaks[planner] = measured
-    assert all(z <= 0.7 * d for z, d in zip(peaks["zero"], peaks["dp"])), peaks
+    assert max(peaks["zero"]) <= 0.7 * max(peaks["dp"]), peaks

@@ -322,7 +322,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     from .report import format_run
-    from .runtime.distributed import RankError, await_reports, record_failure, start_heartbeat
+    from .runtime.distributed import RankError, await_reports, record_failure, said, start_heartbeat
 
     try:
         fault_spec(os.environ.get("FASTT_FAULT", ""))
@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fastt: {msg}", file=sys.stderr, flush=True)
         if os.environ.get("FASTT_DEBUG") == "1":  # as the fastt command: the traceback too
             traceback.print_exc()
+        said()
         await_reports(25.0 if rank == 0 else 5.0)  # rank 0 may host the store the others read
         os._exit(1)
     if out is not None:

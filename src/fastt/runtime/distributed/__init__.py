@@ -71,6 +71,7 @@ from .faults import (
     await_reports,
     failure_recorded,
     record_failure,
+    said,
     silent_ranks,
     start_heartbeat,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "reads",
     "record_failure",
     "reducers",
+    "said",
     "silent_ranks",
     "start_heartbeat",
     "sync_from_rank0",

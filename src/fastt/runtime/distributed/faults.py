@@ -7,6 +7,7 @@ stopped (`silent_ranks`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -28,9 +29,9 @@ def _beat_key(rank: int) -> str:
     return f"fastt/heartbeat/{rank}"
 
 
-def _failed_key(rank: int) -> str:
-    """The store key a rank sets once it has recorded its failure (`record_failure`, `await_reports`)."""
-    return f"fastt/failed/{rank}"
+def _said_key(rank: int) -> str:
+    """The store key a failed rank sets once it has said what it saw (`said`, `await_reports`)."""
+    return f"fastt/said/{rank}"
 
 
 class RankError(RuntimeError):
@@ -77,7 +78,6 @@ def record_failure(message: str, lost_peer: bool = False) -> str:
             if dead:
                 message += f"; rank {', '.join(map(str, dead))} stopped (no heartbeat)"
         first = store.compare_set(FAILED_KEY, "", message).decode()
-        store.set(_failed_key(dist.get_rank()), "1")
     except Exception:  # noqa: BLE001 - the store may be gone with the process that hosted it
         if lost_peer and dist.get_rank() != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             message += "; rank 0 stopped (the store it hosts is gone)"  # started without torchrun's agent
@@ -93,20 +93,30 @@ def failure_recorded() -> bool:
         return False
 
 
+def said() -> None:
+    """Tell the other ranks' `await_reports` that this failed rank has printed its line. Not at
+    `record_failure`: a peer that read the mark there could exit, and torchrun's agent stop this rank,
+    before its line was out (in a CI run: rank 1 ran out of memory, rank 0 printed and exited, rank 1 said
+    nothing)."""
+    with contextlib.suppress(Exception):  # the store is gone with rank 0: nobody is left to wait
+        dist.distributed_c10d._get_default_store().set(_said_key(dist.get_rank()), "1")
+
+
 def await_reports(wait_s: float = 25.0) -> None:
-    """Before a failed rank exits: wait (at most `wait_s`) until every other rank has recorded its failure or
-    stopped beating. Started without torchrun, rank 0 hosts the store, where the others read the job's first
-    failure and the heartbeats that name a dead rank (a collective does not say which of its ranks is gone,
-    and a rank may only learn of it when a survivor next to it exits); under torchrun the agent stops every
-    rank once one has exited, so a rank that exited at once could have a peer stopped before it said what it
-    saw (rank 0, losing rank 1 in an allreduce on a loaded machine, was killed before it printed)."""
+    """Before a failed rank exits: wait (at most `wait_s`) until every other rank has said what it saw
+    (`said`) or stopped beating. Started without torchrun, rank 0 hosts the store, where the others read the
+    job's first failure and the heartbeats that name a dead rank (a collective does not say which of its
+    ranks is gone, and a rank may only learn of it when a survivor next to it exits); under torchrun the agent
+    stops every rank once one has exited, so a rank that exited at once could have a peer stopped before it
+    said what it saw (rank 0, losing rank 1 in an allreduce on a loaded machine, was killed before it
+    printed)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
         deadline = time.monotonic() + wait_s
         others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
         while time.monotonic() < deadline:
-            missing = [r for r in others if not store.check([_failed_key(r)])]
+            missing = [r for r in others if not store.check([_said_key(r)])]
             if set(missing) <= set(silent_ranks(store, missing)):
                 return
     except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
