@@ -46,6 +46,12 @@ def test_the_meter_counts_each_storage_once_on_the_thread_that_made_it() -> None
     assert meter.live == [0, 0]
 
 
+def median_peaks(step, batch, steps: int = 3) -> list[int]:
+    """Each device's median of `steps` measured peaks (`measured_peaks`): how far apart the devices run moves
+    what a device holds where they exchange values, and varies from step to step under load."""
+    return [int(statistics.median(x)) for x in zip(*(measured_peaks(step, batch) for _ in range(steps)))]
+
+
 def _peaks(name: str, planner: str = "single",
            strategy_of=None) -> tuple[list[int], tuple[int, ...], int]:
     """(measured peak per device, simulated peak per device, the plan's replicas)."""
@@ -55,7 +61,7 @@ def _peaks(name: str, planner: str = "single",
                        strategy=strategy, trial=False)
     # the median of 3 steps per device: how far apart the devices run, which moves what a device holds where
     # they exchange values, varies from step to step under load (mlp's split plan: 1.20 and, once, 1.49)
-    measured = [int(statistics.median(x)) for x in zip(*(measured_peaks(step, w.example_inputs) for _ in range(3)))]
+    measured = median_peaks(step, w.example_inputs)
     tl = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
                        release=release_points(step.lowered, step.placed.programs))
     return measured, tl.peak_memory_bytes, step.strategy.replicas

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_baselines import mesh, steps
+from test_memory import median_peaks
 from test_runtime import one_thread_per_device  # noqa: F401 - fixture
 from test_training import train_both
 
@@ -196,14 +196,13 @@ def test_sharded_updates_hold_less_for_real() -> None:
     the measured one on every device. Which device holds more is a race (how far apart the two run), so each
     device's peak is the median of 3 steps and the largest is compared: one step of a CI run measured zero
     47.65 and 39.24 MB against DP's 67.68 on both (0.704), where 3 steps on a quiet machine give 0.64."""
-    from fastt.runtime.memory import measured_peaks
     from fastt.runtime.programs import release_points
 
     peaks = {}
     for planner in ("dp", "zero"):
         w = zoo.get("mlp", "test", optimizer="adam")
         step = parallelize(w.model, w.loss_fn, w.optimizer, w.example_inputs, "cpu:2", planner, trial=False)
-        measured = [statistics.median(x) for x in zip(*(measured_peaks(step, w.example_inputs) for _ in range(3)))]
+        measured = median_peaks(step, w.example_inputs)
         tl = simulate_plan(step.graph, step.strategy, step.cluster, step.costs,
                            release=release_points(step.lowered, step.placed.programs))
         assert all(m <= s for m, s in zip(measured, tl.peak_memory_bytes)), (planner, measured, tl)
