@@ -219,6 +219,7 @@ class Step:
     reduction: Reduction | None = None
     structure: dict = field(default_factory=dict, repr=False)
     autocast: torch.dtype | None = None
+    derived: bool = False  # derived from a capture at another batch, for planning only (`fastt.rebatch`)
 
     def check(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
               replicas: int = 1) -> None:
@@ -245,6 +246,9 @@ class Step:
 
     def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor) -> torch.Tensor:
         """Run one training step with real tensors through the captured graph; returns the loss."""
+        if self.derived:
+            raise FasttError("this step was derived for planning (fastt.rebatch) and does not run: run "
+                             "the step captured at its batch")
         self.check(model, optimizer, batch)
         guards.check(self.gm, batch)
         params, buffers, states, batch, hypers = self.arguments(model, optimizer, batch)

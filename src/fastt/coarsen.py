@@ -9,7 +9,7 @@ Three groupings make ops worth placing:
   `updates`, so holders of the buffer are known to the strategy.
 
 `capture_graph` is the whole stage: a model's training step captured (`capture.capture_step`) and coarsened,
-able to capture itself again at a smaller batch.
+able to derive itself at a smaller batch (`fastt.rebatch`) or capture itself again.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flo
 
 from .capture import Step, capture_step
 from .graph import BUFFER, COMPUTE, INPUT, PARAM, STATE, UPDATE, Op, OpGraph
+from .rebatch import derive
 
 aten = torch.ops.aten
 
@@ -296,25 +297,39 @@ def capture_graph(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
     """One whole training step (forward, backward, optimizer update) as an OpGraph.
 
     Convention: `loss = loss_fn(model(*example_inputs[:-1]), example_inputs[-1])`; dim 0 of every example
-    input is the batch. The graph can recapture the step at a smaller batch (data parallelism needs batch/N).
-    `clip_grad_norm`: clip the gradients to this global norm before the update (`clip_grad_norm_`).
-    `autocast`: the forward runs under `torch.autocast` in this dtype (`capture.capture_step`).
-    `recapture.seconds` is the longest capture of the step so far: planners that weigh another capture against
-    their budget read it.
+    input is the batch. `clip_grad_norm`: clip the gradients to this global norm before the update
+    (`clip_grad_norm_`). `autocast`: the forward runs under `torch.autocast` in this dtype
+    (`capture.capture_step`).
+
+    The graph's `recapture(batch)` is the step at a smaller batch (data parallelism needs batch/N) for
+    planning: derived from this capture (`fastt.rebatch`), or traced again where no rule derives it;
+    `recapture.traced(batch)` always traces it (what the runtimes run). `recapture.seconds` is the longest a
+    planning `recapture` took so far: planners that weigh another against their budget read it.
     """
     example_inputs = tuple(example_inputs)
 
-    def timed(inputs: tuple[torch.Tensor, ...]) -> OpGraph:
-        t0 = time.perf_counter()
-        g = to_opgraph(capture_step(model, loss_fn, optimizer, inputs, clip_grad_norm, autocast), name)
-        recapture.seconds = max(getattr(recapture, "seconds", 0.0), time.perf_counter() - t0)
-        return dataclasses.replace(g, recapture=recapture)
+    def opgraph(step: Step) -> OpGraph:
+        return dataclasses.replace(to_opgraph(step, name), recapture=recapture)
+
+    def capture(inputs: tuple[torch.Tensor, ...]) -> Step:
+        return capture_step(model, loss_fn, optimizer, inputs, clip_grad_norm, autocast)
+
+    @functools.lru_cache(maxsize=8)
+    def traced(batch: int) -> OpGraph:
+        return opgraph(capture(tuple(x[:batch] for x in example_inputs)))
 
     @functools.lru_cache(maxsize=8)
     def recapture(batch: int) -> OpGraph:
-        return timed(tuple(x[:batch] for x in example_inputs))
+        t0 = time.perf_counter()
+        derived = derive(step, batch)
+        g = opgraph(derived) if derived is not None else traced(batch)
+        recapture.seconds = max(getattr(recapture, "seconds", 0.0), time.perf_counter() - t0)
+        return g
 
-    return timed(example_inputs)
+    recapture.traced = traced
+    step = capture(example_inputs)
+    return opgraph(step)
+
 
 def _topo_groups(members: dict[str, list[Node]], group: dict[Node, str]) -> list[tuple[str, list[Node]]]:
     """Groups in an order where every group comes after the groups it reads (Kahn's algorithm)."""

@@ -210,6 +210,9 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     step = graph.fx
     if step is None:
         raise FasttError("this graph was not captured from a model: nothing to measure")
+    if step.derived:
+        raise FasttError("this graph was derived for planning (fastt.rebatch): measure the step captured at "
+                         "its batch (rebatch(graph, b, traced=True))")
     fn, names = _timed_code(step.gm, _cuda_tick if kind == "cuda" else time.perf_counter)
     flat = torch.utils._pytree.tree_leaves(list(real_inputs))
     readings: list[list[float]] = []
@@ -256,7 +259,8 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
     GPU the model is on.
 
     The step runs on copies of the real parameters, buffers and optimizer state: the model is not changed.
-    Data parallelism places the step at batch/N: measure `rebatch(graph, b)` with the inputs sliced to b.
+    Data parallelism places the step at batch/N: measure `rebatch(graph, b, traced=True)` with the inputs
+    sliced to b.
     `concurrent` copies run at once (see `measure`): op times as when that many worker devices are busy.
     """
     inputs = tuple(x[:graph.batch] for x in example_inputs)
@@ -277,9 +281,8 @@ def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
                  concurrent: int) -> MeasuredCosts:
     """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by
     shape), with `concurrent` copies running at once, on the device the model is on."""
-    tables = [measure_model(rebatch(graph, b), model, optimizer, example_inputs, threads=threads,
-                            progress=False,
-                            concurrent=concurrent) for b in dict.fromkeys(batches)]
+    tables = [measure_model(rebatch(graph, b, traced=True), model, optimizer, example_inputs, threads=threads,
+                            progress=False, concurrent=concurrent) for b in dict.fromkeys(batches)]
     seconds = {k: v for t in tables for k, v in t.seconds.items()}
     return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
 

@@ -160,10 +160,9 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
     edges: dict[int, list] = {}
     readers = Readers([], [], [])
     for i, op in enumerate(g.ops):
-        ins = op.inputs
-        pairs = zip(ins, op.in_bytes) if len(set(ins)) == len(ins) else _dedup(ins, op.in_bytes)
+        pairs = g.reads[i]
         if op.kind == ALLREDUCE:
-            ar_need[i] = len(set(ins))
+            ar_need[i] = len(pairs)
             for j, _ in pairs:
                 ar_cons[j].append(i)
                 readers.add(g, j * nd + dev[j], i, j)
@@ -182,14 +181,6 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
                 e[0].append(i)
                 e[1] = max(e[1], b)
     return need, ar_cons, ar_need, edges, readers
-
-
-def _dedup(inputs: tuple[int, ...], in_bytes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(input, bytes) once per distinct input; an op reading a tensor twice moves it once, the larger size."""
-    seen: dict[int, int] = {}
-    for j, b in zip(inputs, in_bytes):
-        seen[j] = max(b, seen.get(j, 0))
-    return list(seen.items())
 
 
 def run_events(g: OpGraph, p: EventPlan, dur: list[float]) -> Events:

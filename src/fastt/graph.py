@@ -104,8 +104,23 @@ class OpGraph:
         return tuple(tuple(s) for s in out)
 
     @cached_property
-    def _replicated(self) -> dict[int, OpGraph]:
-        """data_parallel_graph's graphs of this step, by replica count."""
+    def reads(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """For each op, (producer, bytes) once per distinct input: a tensor read twice moves once, the larger
+        size."""
+        out = []
+        for op in self.ops:
+            if len(set(op.inputs)) == len(op.inputs):
+                out.append(tuple(zip(op.inputs, op.in_bytes)))
+                continue
+            seen: dict[int, int] = {}
+            for j, b in zip(op.inputs, op.in_bytes):
+                seen[j] = max(b, seen.get(j, 0))
+            out.append(tuple(seen.items()))
+        return tuple(out)
+
+    @cached_property
+    def _replicated(self) -> dict[tuple[int, bool], OpGraph]:
+        """data_parallel_graph's graphs of this step, by replica count and whether traced."""
         return {}
 
     @cached_property
@@ -178,30 +193,31 @@ def whole_share(signature: str) -> tuple[str, float] | None:
     return (whole, float(rest.rpartition(":")[2])) if bar and whole else None
 
 
-def rebatch(graph: OpGraph, batch: int) -> OpGraph:
-    """The same step captured at another batch size."""
+def rebatch(graph: OpGraph, batch: int, traced: bool = False) -> OpGraph:
+    """The same step at another batch size: for planning, derived from `graph`'s capture where it can be
+    (`fastt.rebatch`); `traced`, captured again at that batch (what a runtime runs, or measures)."""
     if batch == graph.batch:
         return graph
     if graph.recapture is None:
         raise FasttError(f"graph '{graph.name}' was built by hand: it cannot be captured at batch {batch}")
-    return graph.recapture(batch)
+    return (getattr(graph.recapture, "traced", graph.recapture) if traced else graph.recapture)(batch)
 
 
-def data_parallel_graph(graph: OpGraph, n: int) -> OpGraph:
-    """The step at batch/n replicated n times (`graph` itself when n == 1), built once per graph and n
-    (planners build it many times: every mixed plan runs on it)."""
+def data_parallel_graph(graph: OpGraph, n: int, traced: bool = False) -> OpGraph:
+    """The step at batch/n replicated n times (`graph` itself when n == 1), built once per graph, n and
+    `traced` (see `rebatch`; planners build it many times: every mixed plan runs on it)."""
     built = graph._replicated
-    if n not in built:
-        built[n] = replicate(_replica_step(graph, n), n)
-    return built[n]
+    if (n, traced) not in built:
+        built[n, traced] = replicate(_replica_step(graph, n, traced), n)
+    return built[n, traced]
 
 
-def _replica_step(graph: OpGraph, n: int) -> OpGraph:
+def _replica_step(graph: OpGraph, n: int, traced: bool = False) -> OpGraph:
     """The step at batch/n that n replicas run; FasttError if they cannot compute `graph`'s step."""
     if graph.batch % n:
         raise FasttError(f"batch {graph.batch} of '{graph.name}' does not split into {n} equal replicas: "
                          f"use a batch divisible by {n}")
-    sub = rebatch(graph, graph.batch // n)
+    sub = rebatch(graph, graph.batch // n, traced)
     loss_weights(graph, sub, n)  # refuses a loss that replicas cannot compute
     return sub
 

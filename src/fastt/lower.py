@@ -169,7 +169,7 @@ def _chained_views(g: OpGraph, nodes: dict[str, fx.Node]) -> tuple[dict[int, dic
 
 def lower(graph: OpGraph, strategy: Strategy) -> Lowered:
     """One program per device for `strategy` on the captured `graph` (see the module docstring)."""
-    g = graph_for(graph, strategy)
+    g = graph_for(graph, strategy, traced=True)
     strategy.validate(g)
     step = g.fx
     if not isinstance(step, Step):

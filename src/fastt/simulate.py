@@ -102,7 +102,7 @@ def simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, times: np.ndarray
     """Run `strategy` for graph `g` on `cluster` with `times[i][d]` seconds per op and device → Timeline.
     `release` maps an op to a later op of its device whose end sends its results off the device (default: its
     own end)."""
-    strategy.validate(g)
+    strategy.validate(g, acyclic=False)  # a cycle stalls the event loop: `_simulate` names it then
     n, nd = len(g.ops), len(cluster.devices)
     if strategy.n_devices != nd:
         raise FasttError(f"strategy is for {strategy.n_devices} devices but cluster {cluster.name} has {nd}; "
@@ -154,7 +154,11 @@ def _simulate(g: OpGraph, strategy: Strategy, cluster: Cluster, t: np.ndarray, l
     nd = len(cluster.devices)
     plan = prepare(g, strategy, cluster, release)
     dur = t[np.arange(len(g.ops)), np.maximum(np.array(plan.dev, dtype=np.int64), 0)].tolist()
-    start, end, crit, transfers, collectives = run_events(g, plan, dur)
+    try:
+        start, end, crit, transfers, collectives = run_events(g, plan, dur)
+    except FasttError:
+        strategy.validate(g)  # the orders make a cycle with the data edges: say which
+        raise
     start_a, end_a = np.array(start), np.array(end)
     dev = np.array(plan.dev, dtype=np.int64)
     base = held(g, plan.holders, plan.dev, nd)

@@ -830,10 +830,11 @@ def _without_unread(g: OpGraph, joins: set[int]) -> OpGraph:
     return without(g, gone)
 
 
-def graph_for(graph: OpGraph, strategy: Strategy) -> OpGraph:
+def graph_for(graph: OpGraph, strategy: Strategy, traced: bool = False) -> OpGraph:
     """The graph a strategy places: `graph`, replicated for data parallelism, its sharded updates sharded
     (`fastt.shard`), with the strategy's splits and their chains (`chain`), less the duplicate updates it
-    leaves out (`graph.duplicate_updates`)."""
-    g = shard_updates(data_parallel_graph(graph, strategy.replicas), strategy.sharded)
+    leaves out (`graph.duplicate_updates`). `traced`: its replicas run the step traced at their batch, not
+    the one derived for planning (`graph.rebatch`): what a runtime runs."""
+    g = shard_updates(data_parallel_graph(graph, strategy.replicas, traced), strategy.sharded)
     g = split_all(g, [(s.op, s.dim, s.parts) for s in strategy.splits])
     return without_unplaced_updates(chain_all(g, strategy.chained), strategy.placement)

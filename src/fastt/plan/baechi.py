@@ -22,7 +22,7 @@ from ..cluster import Cluster
 from ..graph import RESIDENT, OpGraph
 from ..strategy import Strategy
 from .common import PlanCosts, plan_costs, strategy_from
-from .schedule import Choice, FreeAllreduce, Schedule, StaticMemory, list_schedule, reads_of
+from .schedule import Choice, FreeAllreduce, Schedule, StaticMemory, list_schedule
 
 
 def _baechi_schedule(graph: OpGraph, cluster: Cluster, costs: PlanCosts) -> Schedule:
@@ -205,7 +205,7 @@ def favorite_children(g: OpGraph, costs: PlanCosts) -> list[int]:
         return [-1] * n
     ops = [i for i, op in enumerate(g.ops) if op.kind not in RESIDENT]  # allreduces too
     col = {i: k for k, i in enumerate(ops)}
-    reads = reads_of(g)
+    reads = g.reads
     edges = [(j, i, b) for i in ops for j, b in reads[i] if j in col]
     if not edges:
         return [-1] * n

@@ -39,43 +39,65 @@ DEFAULT_BUDGET_S = 6.0
 SEEDS = ("dpos", "single", "heft", "m-etf", "m-sct", "m-topo", "dp", "dpos on dp")
 
 
+Seeds = dict[str, tuple[tuple[bool, float], OpGraph, Strategy]]  # name -> (judged, its graph, plan)
+
+
 def _seeds(graph: OpGraph, cluster: Cluster, deadline: float, measured: MeasuredCosts | None,
            bounded: bool = False) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
-    """((does not fit, simulated time), graph, strategy) of each starting plan, best first. DPOS on the
-    data-parallel graph (N times larger than the plain one) only when DP fits and while the budget lasts.
-    `bounded` (the `fastt` portfolio, whose budget has other plans to make): data parallelism and one device
-    first, then DPOS and the list schedulers on the plain graph, cheapest first, only while the time left
-    before `deadline` covers the longest of them so far (gnmt on 8 devices: 0.4-2.2 s each, m-SCT the
-    longest); OS-DPOS makes them all."""
+    """((does not fit, simulated time), graph, strategy) of each starting plan, best first: data parallelism
+    and one device, then the scheduled ones (`_scheduled_seeds`, `bounded` by `deadline` or not)."""
+    made = _first_seeds(graph, cluster, measured)
+    _scheduled_seeds(graph, cluster, measured, made, deadline, bounded)
+    return ranked(made)
+
+
+def ranked(made: Seeds) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
+    """The starting plans made so far, best first."""
+    return [made[k] for k in sorted(made, key=lambda k: (made[k][0], SEEDS.index(k)))]
+
+
+def _first_seeds(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None) -> Seeds:
+    """Data parallelism (where the batch splits) and one device, judged."""
     n = len(cluster.devices)
-    costs = plan_costs(graph, cluster, measured)
-    made: dict[str, tuple[tuple[bool, float], OpGraph, Strategy]] = {}
-
-    def judge(name: str, g: OpGraph, s: Strategy) -> None:
-        made[name] = (_judge(g, s, cluster, measured), g, replace(s, planner="fastt"))
-
-    replicas = n > 1 and graph.batch % n == 0 and graph.recapture is not None and replicable(graph, n)
-    if replicas:
+    made: Seeds = {}
+    if n > 1 and graph.batch % n == 0 and graph.recapture is not None and replicable(graph, n):
         dp_graph = data_parallel_graph(graph, n)
-        judge("dp", dp_graph, data_parallel(graph, cluster))
-    judge("single", graph, single_device(graph, cluster))
+        made["dp"] = _judged(dp_graph, data_parallel(graph, cluster), cluster, measured)
+    made["single"] = _judged(graph, single_device(graph, cluster), cluster, measured)
+    return made
+
+
+def _scheduled_seeds(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None, made: Seeds,
+                     deadline: float, bounded: bool = False) -> None:
+    """DPOS and the list schedulers on the plain graph, cheapest first, then DPOS on DP's graph (N times
+    larger) where DP fits and the budget lasts, each judged into `made`. `bounded` (the `fastt` portfolio,
+    whose budget has other plans to make): each only while the time left before `deadline` covers the
+    longest of them so far (gnmt on 8 devices: 0.4-2.2 s each, m-SCT the longest); OS-DPOS makes them all."""
+    costs = plan_costs(graph, cluster, measured)
     listed = (("dpos", lambda: dpos_strategy(graph, cluster, costs, planner="fastt")),
               *((p.__name__.replace("_", "-"), lambda p=p: p(graph, cluster, costs))
                 for p in (m_topo, heft, m_etf, m_sct)))
     longest = dpos_s = 0.0
     for name, make in listed:
         if bounded and time.perf_counter() + longest > deadline:
-            break
+            return
         t0 = time.perf_counter()
         s = make()
         if name == "dpos":  # DPOS on DP's graph below takes about n times as long
             dpos_s = time.perf_counter() - t0
-        judge(name, graph, s)
+        made[name] = _judged(graph, s, cluster, measured)
         longest = max(longest, time.perf_counter() - t0)
-    if replicas and not made["dp"][0][0] and time.perf_counter() + n * dpos_s < deadline:
+    n = len(cluster.devices)
+    if "dp" in made and not made["dp"][0][0] and time.perf_counter() + n * dpos_s < deadline:
+        dp_graph = data_parallel_graph(graph, n)
         dp_costs = plan_costs(dp_graph, cluster, measured)
-        judge("dpos on dp", dp_graph, dpos_strategy(dp_graph, cluster, dp_costs, planner="fastt", replicas=n))
-    return [made[k] for k in sorted(made, key=lambda k: (made[k][0], SEEDS.index(k)))]
+        made["dpos on dp"] = _judged(dp_graph, dpos_strategy(dp_graph, cluster, dp_costs, planner="fastt",
+                                                             replicas=n), cluster, measured)
+
+
+def _judged(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None
+            ) -> tuple[tuple[bool, float], OpGraph, Strategy]:
+    return _judge(g, s, cluster, measured), g, replace(s, planner="fastt")
 
 
 def _judge(g: OpGraph, s: Strategy, cluster: Cluster, measured: MeasuredCosts | None) -> tuple[bool, float]:

@@ -17,7 +17,7 @@ from ..strategy import Strategy
 from .basic import data_parallel, zero
 from .megatron import held_in_parts, megatron
 from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
-from .osdpos import _judge, _seeds, split_critical_path
+from .osdpos import _first_seeds, _judge, _scheduled_seeds, ranked, split_critical_path
 from .search import spread_plans
 
 OPTIONAL = (*EXPERTS, "megatron", "search", "zero")  # planners that raise FasttError where they do not apply
@@ -25,6 +25,10 @@ ACCUMULATE = (2, 4, 8)  # micro-batches a device of data parallelism tried where
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits after those
 # the whole plan's default budget, the capture at batch/n included (issue 16: planning within 10 s)
 PLAN_S = 8.5
+# the experts in the order the portfolio tries them while its budget lasts: table-wise first, as it refuses at
+# once a step without embedding tables and is the cheapest where there are (gnmt on 2x4xA100@25Gbps: 367 ms
+# against owt's 1202 and data parallelism's 413, the budget gone before owt's plan is judged)
+TRIED_FIRST = ("table-wise", "owt", "pipeline")
 # at most this much of the budget for the spread search (as the `search` planner has)
 SEARCH_S = 4.0
 
@@ -107,13 +111,17 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
     nodes = len(node_devices(cluster))
-    seeds = _seeds(graph, cluster, pool.deadline, measured, bounded=True)  # DP and one device first
-    judged, g, best = seeds[0]
+    t1 = time.perf_counter()
+    seeds = _first_seeds(graph, cluster, measured)  # DP and one device first, always
+    pool.judge_s = time.perf_counter() - t1  # DP's replicated graph built and judged: the longest judgement
+    judged, g, best = ranked(seeds)[0]
     pool.judged.append((judged, 0, best))
-    pool.make(zero)
+    if pool.binds():  # else DP's plan with its updates sharded comes last, where DP is the best
+        pool.make(zero)
     made = {}
-    for name, expert in EXPERTS.items():
+    for name in sorted(EXPERTS, key=TRIED_FIRST.index):
         if pool.covers():
+            expert = EXPERTS[name]
             # the pipeline cuts the batch into one shard a device: op times were measured at the batch and at
             # its share per device; its own cut (GPipe's micro-batches) is another capture, below
             micro = {"micro": _stages_per_group(cluster)} if name == "pipeline" else {}
@@ -128,6 +136,12 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
             pool.add(s)
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
+    # DPOS and the list schedulers, while the budget covers them, a split tried and the variants
+    _scheduled_seeds(graph, cluster, measured, seeds, pool.deadline - 2 * (pool.plan_s + pool.judge_s),
+                     bounded=True)
+    for k in seeds.keys() - {"dp", "single"}:
+        pool.judged.append((seeds[k][0], len(pool.judged), seeds[k][2]))
+    judged, g, best = ranked(seeds)[0]
     if made.get("owt") is not None and pool.covers():  # owt's linear layers in parts over a node's devices
         pool.make(held_in_parts, made["owt"], measured)
     if nodes > 1 and pool.covers(capture_s):
@@ -139,11 +153,11 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
         if s.splits != best.splits:
             pool.add(s)
     # the best plan's updates sharded where it replicates them, or every plan's where none fits
-    for s in [pool.best()] if pool.fits() else [s for _, _, s in pool.judged]:
+    for s in ([pool.best()] if pool.covers() else []) if pool.fits() else [s for _, _, s in pool.judged]:
         v = with_sharded_updates(graph, s)
         if v is not None:
             pool.add(v)
-    v = with_chains(graph, pool.best())
+    v = with_chains(graph, pool.best()) if pool.covers() or not pool.fits() else None
     if v is not None:  # the best plan's splits chained where their layouts agree: no join between them
         pool.add(v)
     for k in ACCUMULATE if pool.binds() and measured is None else ():

@@ -198,21 +198,9 @@ class FreeAllreduce:
         return max((sched.finish[j] for j in ins), default=0.0), [sched.dev[ins[0]] if ins else 0]
 
 
-def reads_of(g: OpGraph) -> list[list[tuple[int, int]]]:
-    """(producer, bytes) once per distinct input of each op: a tensor read twice moves once, the larger
-    size."""
-    out = []
-    for op in g.ops:
-        seen: dict[int, int] = {}
-        for j, b in zip(op.inputs, op.in_bytes):
-            seen[j] = max(b, seen.get(j, 0))
-        out.append(list(seen.items()))
-    return out
-
-
 def edge_bytes(g: OpGraph) -> dict[tuple[int, int], int]:
     """(producer, reader) -> the bytes the reader takes from it."""
-    return {(j, i): b for i, reads in enumerate(reads_of(g)) for j, b in reads}
+    return {(j, i): b for i, reads in enumerate(g.reads) for j, b in reads}
 
 
 class Schedule:
@@ -224,7 +212,7 @@ class Schedule:
         self.g, self.costs, self.memory, self.allreduce = g, costs, memory, allreduce
         self.n_devices = nd
         self.times = np.asarray(costs.times, dtype=float)
-        self.reads = reads_of(g)
+        self.reads = g.reads
         self.dev = [-1] * n
         self.start = [0.0] * n
         self.finish = [0.0] * n
