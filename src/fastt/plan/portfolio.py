@@ -93,20 +93,22 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     updates (`zero`), the best plan with its replicated updates sharded and with its splits chained, and
     Megatron's tensor parallelism (`megatron`, which updates weights in parts, `split.chain_update`).
 
-    `budget_s` bounds the whole plan, the capture of the step at batch/n that every data-parallel and mixed
-    plan reads included. In that time, in this order: OS-DPOS's starting plans (data parallelism and one
-    device first and always made, the others while the budget left covers another), `zero` and the experts on
-    that capture, each while the budget left covers another plan; the spread search, with at most SEARCH_S and
-    what the rest needs left over; owt's plan with its linear layers in parts over a node's devices
-    (`megatron.held_in_parts`: 2 s for bert-large, where the search wins; 0.7 s for vgg19, where it wins);
-    plans that need a capture of their own (Megatron on several nodes, one replica a node, at batch/nodes; the
-    expert pipeline's own cut on roofline costs) while the budget left covers a capture as long as the longest
-    so far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
-    from the best starting plan, with what is left but two judgements. Last, the best plan with its updates
-    sharded and its splits chained; where memory binds (the fastest plan does not fit), data parallelism and
-    `zero` over ACCUMULATE micro-batches a device (gradient accumulation) until one fits, and where still
+    `budget_s` bounds the whole plan, the step at batch/n that every data-parallel and mixed plan reads
+    included (derived from the capture, `fastt.rebatch`, or captured again). In that time, in this order: data
+    parallelism and one device, always made (`zero` too where DP does not fit); the experts, table-wise first
+    (`TRIED_FIRST`), and Megatron on one node, each while the budget left covers another plan; the spread
+    search, with at most SEARCH_S and what the rest needs left over; OS-DPOS's other starting plans (DPOS and
+    the list schedulers, cheapest first, while the budget covers the longest so far); owt's plan with its
+    linear layers in parts over a node's devices (`megatron.held_in_parts`: 2 s for bert-large, where the
+    search wins; 0.7 s for vgg19, where it wins); plans that need a step of their own (Megatron on several
+    nodes, one replica a node, at batch/nodes; the expert pipeline's own cut on roofline costs) while the
+    budget left covers one as long as the longest so far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without
+    Megatron's, 297.8 with it); OS-DPOS's split search from the best starting plan, with what is left but two
+    judgements; the best plan with its updates sharded and its splits chained, while the budget covers them.
+    Where memory binds (the fastest plan does not fit), every plan's sharded variant, then data parallelism
+    and `zero` over ACCUMULATE micro-batches a device (gradient accumulation) until one fits, and where still
     nothing fits, pipelines with FINER micro-batches until one does (memory-bound training: a plan that fits
-    is worth its captures, whatever the budget)."""
+    is worth its time, whatever the budget)."""
     t0 = time.perf_counter()
     pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
@@ -208,11 +210,11 @@ def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:
-    """Seconds another capture of the step takes: the step at batch/n, which the data-parallel and mixed plans
-    all read, is captured here, first, and timed (`rebatch` keeps it); where an earlier plan captured it
-    already, the longest capture of the step so far (`coarsen.capture_graph` records it). 0 where there is
-    no such step."""
+    """Seconds the step at another batch takes to make: the step at batch/n, which the data-parallel and mixed
+    plans all read, is made here, first, and timed (derived from the capture, or captured again where no rule
+    derives it; `rebatch` keeps it); where an earlier plan made it already, the longest such so far
+    (`coarsen.capture_graph` records it). 0 where there is no such step."""
     t0 = time.perf_counter()
-    if n < 2 or graph.recapture is None or not replicable(graph, n):  # replicable captures it (or says no)
+    if n < 2 or graph.recapture is None or not replicable(graph, n):  # replicable makes it (or says no)
         return 0.0
     return max(time.perf_counter() - t0, getattr(graph.recapture, "seconds", 0.0))
