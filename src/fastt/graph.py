@@ -300,7 +300,7 @@ def replicate(sub: OpGraph, n: int) -> OpGraph:
             updates = tuple(where[u, k] for u in op.updates)
             # an allreduce's result is one storage: the parts named of the gradient's producer are not its
             in_parts = tuple(() if (j, i) in reduced else p for j, p in zip(op.inputs, op.in_parts))
-            where[i, k] = emit(replace(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates,
+            where[i, k] = emit(_copied(op, name=f"r{k}/{op.name}", inputs=inputs, updates=updates,
                                        in_parts=in_parts))
     # fx stays: replicated ops keep their head node, whose shapes (at batch/n) split rules read.
     return OpGraph(ops=tuple(ops), name=sub.name, batch=sub.batch * n, replicas=n, fx=sub.fx)
@@ -345,11 +345,12 @@ def without(g: OpGraph, gone: set[int]) -> OpGraph:
     return replace(g, ops=tuple(renumbered(g.ops, lambda i, op, at, new: [] if i in gone else None)[0]))
 
 
-def _renumbered_op(op: Op, inputs: tuple[int, ...], updates: tuple[int, ...]) -> Op:
-    """`replace(op, inputs=inputs, updates=updates)` without dataclasses.replace's field walk and __init__
-    (the same fields, only indices change; a fifth of planning bert-large went to `replace` here)."""
+def _copied(op: Op, **changes: object) -> Op:
+    """`replace(op, **changes)` without dataclasses.replace's field walk and __init__, for changes that keep
+    the op valid (names and indices: a fifth of planning bert-large went to `replace` renumbering, and most
+    of replicating gnmt's step 8 times)."""
     new = object.__new__(Op)
-    new.__dict__.update(op.__dict__, inputs=inputs, updates=updates)
+    new.__dict__.update(op.__dict__, **changes)
     return new
 
 
@@ -362,7 +363,7 @@ def renumbered(ops: Sequence[Op], expand: Callable[[int, Op, int, list[int]], li
     new = [0] * len(ops)
     for i, op in enumerate(ops):
         ins, ups = tuple(new[j] for j in op.inputs), tuple(new[u] for u in op.updates)
-        op = op if ins == op.inputs and ups == op.updates else _renumbered_op(op, ins, ups)
+        op = op if ins == op.inputs and ups == op.updates else _copied(op, inputs=ins, updates=ups)
         more = expand(i, op, len(out), new)
         out += [op] if more is None else more
         new[i] = len(out) - 1

@@ -144,12 +144,13 @@ class _Held:
 
     def __init__(self, homes: dict[int, list[int]], n_devices: int) -> None:
         self.homes, self.n_devices = homes, n_devices
+        self._everywhere = np.ones(n_devices, dtype=bool)
 
     def where(self, r: int) -> list[int]:
         return self.homes[r]
 
     def room(self, i: int) -> np.ndarray:
-        return np.ones(self.n_devices, dtype=bool)
+        return self._everywhere
 
     def place(self, i: int, d: int) -> None:
         pass

@@ -56,14 +56,21 @@ def ranked(made: Seeds) -> list[tuple[tuple[bool, float], OpGraph, Strategy]]:
     return [made[k] for k in sorted(made, key=lambda k: (made[k][0], SEEDS.index(k)))]
 
 
-def _first_seeds(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None) -> Seeds:
-    """Data parallelism (where the batch splits) and one device, judged."""
+def _first_seeds(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None,
+                 judging: dict[str, float] | None = None) -> Seeds:
+    """Data parallelism (where the batch splits) and one device, judged; the seconds each judgement took
+    into `judging`."""
     n = len(cluster.devices)
-    made: Seeds = {}
+    plans = {}
     if n > 1 and graph.batch % n == 0 and graph.recapture is not None and replicable(graph, n):
-        dp_graph = data_parallel_graph(graph, n)
-        made["dp"] = _judged(dp_graph, data_parallel(graph, cluster), cluster, measured)
-    made["single"] = _judged(graph, single_device(graph, cluster), cluster, measured)
+        plans["dp"] = data_parallel_graph(graph, n), data_parallel(graph, cluster)
+    plans["single"] = graph, single_device(graph, cluster)
+    made: Seeds = {}
+    for name, (g, s) in plans.items():
+        t0 = time.perf_counter()
+        made[name] = _judged(g, s, cluster, measured)
+        if judging is not None:
+            judging[name] = time.perf_counter() - t0
     return made
 
 

@@ -29,8 +29,10 @@ PLAN_S = 8.5
 # once a step without embedding tables and is the cheapest where there are (gnmt on 2x4xA100@25Gbps: 367 ms
 # against owt's 1202 and data parallelism's 413, the budget gone before owt's plan is judged)
 TRIED_FIRST = ("table-wise", "owt", "pipeline")
-# at most this much of the budget for the spread search (as the `search` planner has)
-SEARCH_S = 4.0
+# at most this much of the budget for the spread search's descents and ILP (as the `search` planner has), and
+# at least this much (gnmt's descents on 2x4xA100@25Gbps take 0.6 s; bert-large's best plan there is found
+# in 0.5 s)
+SEARCH_S, SEARCH_MIN_S = 4.0, 0.75
 
 
 class _Pool:
@@ -116,13 +118,25 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     pool = _Pool(graph, cluster, measured, t0 + budget_s)
     capture_s = _capture_time(graph, len(cluster.devices))
     nodes = len(node_devices(cluster))
-    t1 = time.perf_counter()
-    seeds = _first_seeds(graph, cluster, measured)  # DP and one device first, always
-    pool.judge_s = time.perf_counter() - t1  # about DP's judgement, the longest
+    judging: dict[str, float] = {}
+    seeds = _first_seeds(graph, cluster, measured, judging)  # DP and one device first, always
+    pool.judge_s = max(judging.values())  # DP's judgement where it is made: the longest
     judged, g, best = ranked(seeds)[0]
     pool.judged.append((judged, 0, best))
-    if pool.binds():  # else DP's plan with its updates sharded comes last, where DP is the best
+    zeroed = pool.binds()  # else DP's plan with its updates sharded comes last
+    if zeroed:
         pool.make(zero)
+    # the spread search first: its plans have beaten the experts' wherever a slow link binds (bert-large,
+    # gnmt on 2x4xA100@25Gbps), and a plan of it costs a list schedule and a judgement of the replicated step;
+    # its descents and ILP get half of what is left after four judgements, at least SEARCH_MIN_S
+    search_s = max(SEARCH_MIN_S, min(SEARCH_S, (pool.left() - 4 * pool.judge_s) / 2))
+    try:
+        for s in spread_plans(graph, cluster, measured, search_s) if pool.covers() else ():
+            pool.add(s)
+            if not pool.covers():
+                break
+    except FasttError:
+        pass  # one device, or a batch that does not cut into one shard a device
     made = {}
     for name in sorted(EXPERTS, key=TRIED_FIRST.index):
         if pool.covers():
@@ -133,14 +147,6 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
             made[name] = pool.make(expert, measured, **micro)
     if nodes == 1 and pool.covers():
         pool.make(megatron, measured)
-    # the spread search leaves time for its two plans, OS-DPOS's split search to try a split, and the best
-    # plan's variants
-    search_s = min(SEARCH_S, pool.left() - 4 * (pool.plan_s + pool.judge_s))
-    try:
-        for s in spread_plans(graph, cluster, measured, search_s) if search_s > 0 else ():
-            pool.add(s)
-    except FasttError:
-        pass  # one device, or a batch that does not cut into one shard a device
     # DPOS and the list schedulers, while the budget covers them, a split tried and the variants
     _scheduled_seeds(graph, cluster, measured, seeds, pool.deadline - 2 * (pool.plan_s + pool.judge_s),
                      bounded=True)
@@ -162,6 +168,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
         v = with_sharded_updates(graph, s)
         if v is not None:
             pool.add(v)
+    if not zeroed and pool.covers():
+        # data parallelism with sharded updates where the best plan is another's (transformer on
+        # 4x1xV100@10Gbps: OS-DPOS's order of DP's ops, 344.5 ms; sharded, 344.6; zero's, 344.2)
+        pool.make(zero)
     v = with_chains(graph, pool.best()) if pool.covers() or not pool.fits() else None
     if v is not None:  # the best plan's splits chained where their layouts agree: no join between them
         pool.add(v)
