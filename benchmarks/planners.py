@@ -25,8 +25,10 @@ from tqdm import tqdm
 import fastt
 from fastt import zoo
 from fastt.errors import FasttError
+from fastt.layers import where
 from fastt.plan.portfolio import OPTIONAL
 from fastt.precision import NAMES, dtype_of
+from fastt.simulate import human_bytes, inter_node_bytes
 from fastt.strategy import Strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +72,12 @@ def run(models: list[str], clusters: list[str], planners: list[str], size: str,
                 rows.append({"model": m, "cluster": c, "planner": p, "batch": graph.batch,
                              "iteration_s": tl.iteration_s, "lower_bound_s": tl.lower_bound_s, "plan_s": plan_s,
                              "fits": bool(tl.fits), "splits": len(strategy.splits),
-                             "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes]})
+                             "peak_memory_bytes": [int(b) for b in tl.peak_memory_bytes],
+                             "inter_node_bytes": inter_node_bytes(tl, cl),
+                             "busy_s": list(tl.busy_s), "link_busy_s": list(tl.link_busy_s)})
+                if p == "fastt":  # the plan in its own words: which layers went where
+                    rows[-1]["words"] = where(graph, strategy.holders, [d.node for d in cl.devices],
+                                              strategy.sharded, strategy.chained)
                 bar.update()
             fastt_row = next((r for r in rows[::-1] if r["model"] == m and r["cluster"] == c and r["planner"] == "fastt"), None)
             if fastt_row is not None:
@@ -133,15 +140,16 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
     cases: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
         cases.setdefault((r["model"], r["cluster"]), {})[r["planner"]] = r
-    head = "| model | cluster | batch | " + " | ".join(planners) + " | fastt vs DP | /LB | fastt's | fastt plan s |"
-    lines = [head, "|" + "---|" * (len(planners) + 7)]
+    head = ("| model | cluster | batch | " + " | ".join(planners)
+            + " | fastt vs DP | /LB | binds | fastt's | fastt plan s |")
+    lines = [head, "|" + "---|" * (len(planners) + 8)]
     for (m, c), by in cases.items():
         cells = [f"{by[p]['iteration_s'] * 1e3:.1f}{'' if by[p]['fits'] else ' (OOM)'}" if p in by else "-"
                  for p in planners]
         f, dp = by.get("fastt"), by.get("dp")
         sp = f"{dp['iteration_s'] / f['iteration_s']:.2f}x" if f and dp else "-"
-        tail = (f" | {sp} | {f['iteration_s'] / f['lower_bound_s']:.2f} | {f.get('source', '-')} | {f['plan_s']:.1f} |"
-                if f else " | - | - | - | - |")
+        tail = (f" | {sp} | {f['iteration_s'] / f['lower_bound_s']:.2f} | {binds(f)} | {f.get('source', '-')} | "
+                f"{f['plan_s']:.1f} |" if f else " | - | - | - | - | - |")
         lines.append(f"| {m} | {c} | {next(iter(by.values()))['batch']} | " + " | ".join(cells) + tail)
     geo = ", ".join(f"{k} clusters **{v:.2f}x**" for k, v in summary["geomean_speedup_over_dp"].items()) or "-"
     worse = "\n".join(f"- {w}" for w in summary["fastt_not_best"]) or "- none: fastt is the fastest on every case."
@@ -164,7 +172,11 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
   "chained": a plan with chained splits, its best plan's chained or owt's large linear layers in parts over a node's
   devices (`megatron.held_in_parts`: vgg19, alexnet); "other": none of these): {", ".join(f"{k} {v}" for k, v in sorted(won.items())) or "-"}.
 - /LB is fastt's time over the simulator's lower bound (the critical path with every op on its fastest device,
-  or the total work spread evenly, whichever is larger): what is left to win, at most.
+  or the total work spread evenly, whichever is larger): what is left to win, at most. "binds" says what keeps
+  fastt's plan there, read off its simulated step: "link" where the busiest link is busy at least 80% of the
+  step and more than any device, "compute" where the busiest device is (beside the devices' mean: where it is
+  far below, the plan's work is uneven, or it runs work the bound counts once, such as updates on every
+  replica), else "waits" (devices and links idle on each other: latency, the order, a pipeline's bubble).
 - Cases where DP does not fit: {", ".join(misfit) or "none"}.
 - Planning took longer than 10 s in: {", ".join(slow) or "no case"}{
     f" (of the models run; not run: {', '.join(left_out)})" if left_out else ""}.
@@ -184,7 +196,48 @@ Cases where `fastt` is not the fastest plan that fits:
 
 {chr(10).join(lines)}
 
-{notes}"""
+{notes}
+{wins(cases)}"""
+
+
+def binds(r: dict) -> str:
+    """What binds a simulated step (the notes under the table)."""
+    t = r["iteration_s"]
+    if "busy_s" not in r or t <= 0:
+        return "-"
+    dev, link = max(r["busy_s"]) / t, max(r["link_busy_s"], default=0.0) / t
+    mean = sum(r["busy_s"]) / len(r["busy_s"]) / t
+    if link >= 0.8 and link > dev:
+        return f"link {link:.0%}"
+    if dev >= 0.8:
+        return f"compute {dev:.0%} (mean {mean:.0%})"
+    return f"waits (device {dev:.0%}, link {link:.0%})"
+
+
+WORDS = 6  # runs of layers shown per plan
+
+
+def wins(cases: dict[tuple[str, str], dict[str, dict]]) -> str:
+    """Where fastt beats data parallelism by 1.3x or more (toys left out), its plan in its own words: which
+    layers are held where, and the bytes it moves between nodes against DP's."""
+    out = []
+    for (m, c), by in cases.items():
+        f, dp = by.get("fastt"), by.get("dp")
+        if m in TOYS or not f or not dp or "words" not in f or dp["iteration_s"] < 1.3 * f["iteration_s"]:
+            continue
+        runs = [f"{layers}: {place}" for layers, place in f["words"]]
+        shown = "; ".join(runs[:WORDS]) + (f"; … ({len(runs) - WORDS} more runs)" if len(runs) > WORDS else "")
+        split = f", {f['splits']} ops split" if f["splits"] else ""
+        out.append(f"- {m} on {c}, {dp['iteration_s'] / f['iteration_s']:.2f}x ({f.get('source', '-')}{split}; "
+                   f"between nodes {human_bytes(f['inter_node_bytes'])} a step against DP's "
+                   f"{human_bytes(dp['inter_node_bytes'])}): {shown}.")
+    if not out:
+        return ""
+    return ("## Where fastt wins, in its plans' words\n\nEach case where fastt's plan is at least 1.3x faster "
+            "than data parallelism (lenet and mlp left out): the runs of consecutive layers held alike "
+            "(`fastt.layers.where`, as `fastt compare` prints them), whose plan fastt kept, and what the step moves "
+            "between nodes. Layers held once or on one node need no allreduce across the slow link; a layer "
+            "\"tensor-parallel\" has its weight in shares.\n\n" + "\n".join(out) + "\n")
 
 
 def write_doc(doc: Path, text: str, precision: str) -> None:
@@ -197,6 +250,7 @@ def write_doc(doc: Path, text: str, precision: str) -> None:
         key = f"planners-{precision}"
         body = text.replace("# Planner benchmarks", f"## Planner benchmarks in {precision}", 1)
         body = body.replace("## Reading the table", "### Reading the table", 1)
+        body = body.replace("## Where fastt wins", "### Where fastt wins", 1)
         left_out = " (the V100 clusters are left out: no bf16 tensor cores)" if precision == "bf16" else ""
         body = body.replace("`out/planners.json`", f"`out/planners-{precision}.json`{left_out}", 1)
         blocks[key] = f"<!-- {key} -->\n{body.rstrip()}\n<!-- /{key} -->"
