@@ -25,10 +25,9 @@ ACCUMULATE = (2, 4, 8)  # micro-batches a device of data parallelism tried where
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits after those
 # the whole plan's default budget, the capture at batch/n included (issue 16: planning within 10 s)
 PLAN_S = 8.5
-# the experts in the order the portfolio tries them while its budget lasts: table-wise first, as it refuses at
-# once a step without embedding tables and is the cheapest where there are (gnmt on 2x4xA100@25Gbps: 367 ms
-# against owt's 1202 and data parallelism's 413, the budget gone before owt's plan is judged)
-TRIED_FIRST = ("table-wise", "owt", "pipeline")
+# the experts in the order the portfolio tries them while its budget lasts, after the search: the cheapest to
+# plan first (table-wise refuses at once a step without embedding tables)
+TRIED_FIRST = ("table-wise", "pipeline", "owt")
 # at most this much of the budget for the spread search's descents and ILP (as the `search` planner has), and
 # at least this much (gnmt's descents on 2x4xA100@25Gbps take 0.6 s; bert-large's best plan there is found
 # in 0.5 s)
@@ -128,13 +127,19 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
         pool.make(zero)
     # the spread search first: its plans have beaten the experts' wherever a slow link binds (bert-large,
     # gnmt on 2x4xA100@25Gbps), and a plan of it costs a list schedule and a judgement of the replicated step;
-    # its descents and ILP get half of what is left after four judgements, at least SEARCH_MIN_S
-    search_s = max(SEARCH_MIN_S, min(SEARCH_S, (pool.left() - 4 * pool.judge_s) / 2))
+    # its descents and ILP get a quarter of what is left less a judgement, at least SEARCH_MIN_S: the
+    # experts after it keep theirs (the pipeline's plan of bert-large on 2x4xV100, 196.5 ms against the
+    # search's 226.1, needs 0.5 s)
+    search_s = max(SEARCH_MIN_S, min(SEARCH_S, pool.left() / 4 - pool.judge_s))
+    plans, ahead = spread_plans(graph, cluster, measured, search_s), search_s
     try:
-        for s in spread_plans(graph, cluster, measured, search_s) if pool.covers() else ():
-            pool.add(s)
-            if not pool.covers():
+        while pool.covers(ahead):  # the first plan after the search's descents and ILP
+            t0 = time.perf_counter()
+            if (s := next(plans, None)) is None:
                 break
+            pool.plan_s = max(pool.plan_s, time.perf_counter() - t0 - ahead)
+            pool.add(s)
+            ahead = 0.0
     except FasttError:
         pass  # one device, or a batch that does not cut into one shard a device
     made = {}
