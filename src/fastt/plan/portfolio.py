@@ -99,18 +99,19 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
 
     `budget_s` bounds the whole plan, the step at batch/n that every data-parallel and mixed plan reads
     included (derived from the capture, `fastt.rebatch`, or captured again). In that time, in this order: data
-    parallelism and one device, always made (`zero` too where DP does not fit); the experts, table-wise first
-    (`TRIED_FIRST`), and Megatron on one node, each while the budget left covers another plan; the spread
-    search, with at most SEARCH_S and what the rest needs left over; OS-DPOS's other starting plans (DPOS and
-    the list schedulers, cheapest first, while the budget covers the longest so far); owt's plan with its
-    linear layers in parts over a node's devices (`megatron.held_in_parts`: 2 s for bert-large, where the
-    search wins; 0.7 s for vgg19, where it wins); plans that need a step of their own (Megatron on several
-    nodes, one replica a node, at batch/nodes; the expert pipeline's own cut on roofline costs) while the
-    budget left covers one as long as the longest so far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without
-    Megatron's, 297.8 with it); OS-DPOS's split search from the best starting plan, with what is left but two
-    judgements; the best plan with its updates sharded (every step before keeps a judgement for it) and with
-    its splits chained, while the budget covers it. Where memory binds (the fastest plan does not fit), every
-    plan's sharded variant, then data parallelism and `zero` over ACCUMULATE micro-batches a device
+    parallelism and one device, always made (`zero` too where DP does not fit); the spread search's plans,
+    each while the budget covers it (its descents and ILP with a quarter of the budget left, SEARCH_MIN_S to
+    SEARCH_S); the experts (`TRIED_FIRST`) and Megatron on one node, each while the budget left covers another
+    plan; OS-DPOS's other starting plans (DPOS and the list schedulers, cheapest first, while the budget
+    covers the longest so far); owt's plan with its linear layers in parts over a node's devices
+    (`megatron.held_in_parts`: 2 s for bert-large, where the search wins; 0.7 s for vgg19, where it wins);
+    plans that need a step of their own (Megatron on several nodes, one replica a node, at batch/nodes; the
+    expert pipeline's own cut on roofline costs) while the budget left covers one as long as the longest so
+    far (gpt2 on 2x4xA100@25Gbps: fastt 332.2 ms without Megatron's, 297.8 with it); OS-DPOS's split search
+    from the best starting plan, with what is left but two judgements; the best plan with its updates sharded
+    (every step before keeps a judgement for it), `zero` where the budget covers it, and the best plan with
+    its splits chained, while the budget covers it. Where memory binds (the fastest plan does not fit),
+    every plan's sharded variant, then data parallelism and `zero` over ACCUMULATE micro-batches a device
     (gradient accumulation) until one fits, and where still nothing fits, pipelines with FINER micro-batches
     until one does (memory-bound training: a plan that fits is worth its time, whatever the budget)."""
     t0 = time.perf_counter()
