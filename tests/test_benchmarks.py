@@ -225,6 +225,29 @@ def test_planner_summary_means_speedups_per_cluster_set_without_the_toys() -> No
     assert s["cases"] == 4 and s["fastt_not_best"] == ["vgg19 on 8xV100: fastt 1000.0 ms, owt 900.0 ms"]
 
 
+def test_planner_doc_says_what_binds_each_case_and_where_fastt_wins_in_its_plans_words() -> None:
+    planners = script("planners")
+
+    def row(m: str, p: str, t: float, busy: list[float], links: list[float], **more: object) -> dict:
+        return {"model": m, "cluster": "2x4xV100", "planner": p, "iteration_s": t, "fits": True, "splits": 0,
+                "busy_s": busy, "link_busy_s": links, "inter_node_bytes": int(4.7e9 if p == "dp" else 2e6), **more}
+    assert planners.binds(row("vgg19", "fastt", 1.0, [0.5, 0.6], [0.9, 0.1])) == "link 90%"
+    assert planners.binds(row("vgg19", "fastt", 1.0, [0.95, 0.45], [0.9])) == "compute 95% (mean 70%)"
+    assert planners.binds(row("vgg19", "fastt", 2.0, [1.0, 0.5], [0.6])) == "waits (device 50%, link 30%)"
+    words = [["features.0 … features.34 (16 layers)", "every device"], ["classifier.0", "device 3"]]
+    cases = {("vgg19", "2x4xV100"): {"dp": row("vgg19", "dp", 2.0, [2.0], [1.5]),
+                                     "fastt": row("vgg19", "fastt", 1.0, [1.0], [0.1], words=words,
+                                                  source="chained")},
+             ("alexnet", "2x4xV100"): {"dp": row("alexnet", "dp", 1.2, [1.0], [0.5]),  # 1.2x: not a win
+                                       "fastt": row("alexnet", "fastt", 1.0, [1.0], [0.1], words=words)},
+             ("mlp", "2x4xV100"): {"dp": row("mlp", "dp", 9.0, [1.0], [0.5]),  # a toy
+                                   "fastt": row("mlp", "fastt", 1.0, [1.0], [0.1], words=words)}}
+    text = planners.wins(cases)
+    (line,) = [x for x in text.splitlines() if x.startswith("- ")]
+    assert line == ("- vgg19 on 2x4xV100, 2.00x (chained; between nodes 2.0 MB a step against DP's 4.7 GB): "
+                    "features.0 … features.34 (16 layers): every device; classifier.0: device 3.")
+
+
 def test_network_benchmark_small(tmp_path: Path) -> None:
     """mlp over a loopback capped at 1gbit on 2 ranks (skipped, with the reason, where no namespace can be made):
     every plan measured beside its simulated time, and the doc generated from the JSON."""
