@@ -143,7 +143,7 @@ class _Held:
     and every device has room (the simulator checks memory)."""
 
     def __init__(self, homes: dict[int, list[int]], n_devices: int) -> None:
-        self.homes, self.n_devices = homes, n_devices
+        self.homes = homes
         self._everywhere = np.ones(n_devices, dtype=bool)
 
     def where(self, r: int) -> list[int]:

@@ -135,10 +135,10 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     plans, ahead = spread_plans(graph, cluster, measured, search_s), search_s
     try:
         while pool.covers(ahead):  # the first plan after the search's descents and ILP
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             if (s := next(plans, None)) is None:
                 break
-            pool.plan_s = max(pool.plan_s, time.perf_counter() - t0 - ahead)
+            pool.plan_s = max(pool.plan_s, time.perf_counter() - t1 - ahead)
             pool.add(s)
             ahead = 0.0
     except FasttError:
