@@ -487,3 +487,29 @@ def random_topological_rank(g, rng: random.Random) -> list[int]:
             if indeg[s] == 0:
                 ready.append(s)
     return rank
+
+
+def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
+    """`fastt run`'s planners train side by side: step k of each before step k+1 of any, each from its own
+    copy of the workload, and each still equal to eager (a slow moment of the machine falls on all)."""
+    from fastt.runtime import bench
+
+    taken = []
+
+    def timed(fn, *args):
+        taken.append("eager" if fn is bench.eager_step else
+                     fn.strategy.planner if isinstance(fn, bench.ParallelStep) else "profiled")
+        return real(fn, *args)
+
+    real = bench.timed
+    monkeypatch.setattr(bench, "timed", timed)
+
+    def make():
+        torch.manual_seed(0)
+        w = zoo.get("mlp", "test", dropout=False)
+        return "mlp", w.model, w.loss_fn, w.optimizer, w.example_inputs
+
+    out = bench.run_planners(make, "cpu:2", ["dp", "single", "eager"], 3, check=True, trial=False)
+    assert taken == ["dp", "single", "eager"] * 2 + ["profiled", "profiled", "eager"]
+    assert [r["planner"] for r in out["results"]] == ["dp", "single", "eager"]
+    assert out["max_param_rel_diff"] < 1e-5

@@ -30,7 +30,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                  check: bool, tune: bool = False, clip_grad_norm: float | None = None,
                  trial: bool = True, autocast: torch.dtype | None = None,
                  trace: Callable[[str, int, list, ParallelStep], None] | None = None) -> dict:
-    """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start.
+    """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start,
+    each on its own copy of the workload (`make()`), the planners' steps taken in turn.
 
     Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
     its plan in the first steps: the median over the steps after tuning). `busy_s`: each device's busy seconds
@@ -46,53 +47,92 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     planner's last step's spans (`ParallelStep.profiled`; `fastt run --trace`).
     """
     home = torch_device(cluster(devices).devices[0])
-    results, worst = [], 0.0
-    for planner in planners:
-        name, model, loss_fn, opt, inputs = _placed(make, home)
-        batches = [tuple(x.to(home) for x in batch_like(inputs, i)) for i in range(steps)]
-        if planner == "eager":
-            times = [timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast) for b in batches]
-            results.append({"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
-                            "simulated_iteration_s": None, "error": None})
-            continue
-        tuner = Tuner() if tune and planner == "fastt" else None
+    runs = [_Run(planner, _placed(make, home), steps, home) for planner in planners]
+    for run in runs:
+        if run.planner != "eager":
+            run.place(devices, tune, clip_grad_norm, trial, autocast, check and _placed(make, home))
+    # the planners' steps taken in turn, step k of each before step k+1 of any: a slow moment of the machine
+    # falls on all of them, and each step starts from caches that another's step left, not from its own (one
+    # planner's steps in a row, the demo's transformer: fastt's one device on every core 150.4 ms against
+    # eager's 121.9 in the block after; in turn, 90.6 against 91.2 and 92.7 against 92.9 in two runs)
+    for k in range(steps):
+        for index, run in enumerate(runs):
+            run.take(k, clip_grad_norm, autocast, trace, index)
+    return {"model": runs[0].workload[0], "devices": devices, "steps": steps,
+            "results": [run.result() for run in runs],
+            "max_param_rel_diff": max(run.worst for run in runs) if check else None,
+            "clip_grad_norm": clip_grad_norm, "precision": name_of(autocast)}
+
+
+class _Run:
+    """One planner's training in `run_planners`: its own copy of the workload, its steps and what they
+    measured."""
+
+    def __init__(self, planner: str, workload: Workload, steps: int, home: str) -> None:
+        self.planner, self.workload = planner, workload
+        self.batches = [tuple(x.to(home) for x in batch_like(workload[4], i)) for i in range(steps)]
+        self.times: list[float] = []
+        self.tuned, self.worst = 0, 0.0
+        self.busy: list = []
+        self.reducing: list = []
+        self.step: ParallelStep | None = None
+        self.tuner: Tuner | None = None
+        self.ref: Workload | None = None
+        self.setup_s = 0.0
+
+    def place(self, devices: str, tune: bool, clip_grad_norm: float | None, trial: bool,
+              autocast: torch.dtype | None, ref: Workload | bool) -> None:
+        """Plan and place the step (`parallelize`, timed: `setup_s`); `ref`: the eager copy that checks it."""
+        _, model, loss_fn, opt, inputs = self.workload
+        self.tuner = Tuner() if tune and self.planner == "fastt" else None
         t0 = time.perf_counter()
-        step = parallelize(model, loss_fn, opt, inputs, devices, planner, tune=tuner or False,
-                           clip_grad_norm=clip_grad_norm, trial=trial, autocast=autocast)
-        setup_s = time.perf_counter() - t0
-        ref = _placed(make, home) if check else None
-        times, tuned, busy, reducing = [], 0, [], []
-        for k, b in enumerate(batches):
-            replicas = step.strategy.replicas
-            if ref is not None:
-                take_state(model, opt, ref[1], ref[3])
-            last = k == len(batches) - 1 and not (tuner is not None and tuner.active)
-            if last:
-                spans: list = []
-                seconds, busy, reducing = timed_busy(step, b, spans)
-                times.append(seconds)
-                if trace is not None and spans:
-                    trace(planner, len(results), spans, step)
-            else:
-                times.append(timed(step, *b))
-            tuned += tuner is not None and tuner.active
-            if ref is not None:
-                diff = eager_diff(ref, b, replicas, step.threads_per_device, model, clip_grad_norm,
-                                  autocast)
-                worst = max(worst, diff)
-        after = times[tuned + 1:] or times[-max(1, len(times) // 2):]
+        self.step = parallelize(model, loss_fn, opt, inputs, devices, self.planner, tune=self.tuner or False,
+                                clip_grad_norm=clip_grad_norm, trial=trial, autocast=autocast)
+        self.setup_s = time.perf_counter() - t0
+        self.ref = ref or None
+
+    def take(self, k: int, clip_grad_norm: float | None, autocast: torch.dtype | None,
+             trace: Callable[[str, int, list, ParallelStep], None] | None, index: int) -> None:
+        """Step k, timed (the last one profiled too), checked against the eager copy where there is one."""
+        _, model, loss_fn, opt, _ = self.workload
+        b, step = self.batches[k], self.step
+        if step is None:
+            self.times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
+            return
+        replicas = step.strategy.replicas
+        if self.ref is not None:
+            take_state(model, opt, self.ref[1], self.ref[3])
+        if k == len(self.batches) - 1 and not (self.tuner is not None and self.tuner.active):
+            spans: list = []
+            seconds, self.busy, self.reducing = timed_busy(step, b, spans)
+            self.times.append(seconds)
+            if trace is not None and spans:
+                trace(self.planner, index, spans, step)
+        else:
+            self.times.append(timed(step, *b))
+        self.tuned += self.tuner is not None and self.tuner.active
+        if self.ref is not None:
+            diff = eager_diff(self.ref, b, replicas, step.threads_per_device, model, clip_grad_norm, autocast)
+            self.worst = max(self.worst, diff)
+
+    def result(self) -> dict:
+        """The planner's row: its measured median after the first step (after tuning, with a tuner), beside
+        the simulated time."""
+        times, step = self.times, self.step
+        if step is None:
+            return {"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
+                    "simulated_iteration_s": None, "error": None}
+        after = times[self.tuned + 1:] or times[-max(1, len(times) // 2):]
         measured = statistics.median(after)
-        results.append({"planner": planner, "measured_iteration_s": measured,
-                        "simulated_iteration_s": step.simulated_s,
-                        "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-                        "busy_s": busy, "allreduce_s": reducing,
-                        **simulated_busy(step),
-                        "splits": len(step.strategy.splits), "setup_s": setup_s,
-                        "trial": step.trial._asdict() if step.trial else None,
-                        "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None})
-    return {"model": name, "devices": devices, "steps": steps, "results": results,
-            "max_param_rel_diff": worst if check else None, "clip_grad_norm": clip_grad_norm,
-            "precision": name_of(autocast)}
+        tuner = self.tuner
+        return {"planner": self.planner, "measured_iteration_s": measured,
+                "simulated_iteration_s": step.simulated_s,
+                "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
+                "busy_s": self.busy, "allreduce_s": self.reducing,
+                **simulated_busy(step),
+                "splits": len(step.strategy.splits), "setup_s": self.setup_s,
+                "trial": step.trial._asdict() if step.trial else None,
+                "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None}
 
 
 def simulated_busy(step: ParallelStep) -> dict:
