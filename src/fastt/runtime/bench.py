@@ -52,9 +52,9 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
         if run.planner != "eager":
             run.place(devices, tune, clip_grad_norm, trial, autocast, check and _placed(make, home))
     # the planners' steps taken in turn, step k of each before step k+1 of any: a slow moment of the machine
-    # falls on all of them, and each step starts from caches that another's step left, not from its own (one
-    # planner's steps in a row, the demo's transformer: fastt's one device on every core 150.4 ms against
-    # eager's 121.9 in the block after; in turn, 90.6 against 91.2 and 92.7 against 92.9 in two runs)
+    # falls on all of them, not on one planner's block of steps (the demo's transformer, run in blocks on a
+    # busy machine: fastt's one device on every core 150.4 ms against eager's 121.9 in the block after; in
+    # turn on a quiet one, 90.6 against 91.2 and 92.7 against 92.9 in two runs)
     for k in range(steps):
         for index, run in enumerate(runs):
             run.take(k, clip_grad_norm, autocast, trace, index)
