@@ -162,6 +162,26 @@ def test_runtime_benchmark_small(tmp_path: Path) -> None:
     assert all(f"| {m} | {p} |" in doc for m, p in itertools.product(models, ["fastt", "dp", "single"]))
 
 
+def test_runtime_sides_small(tmp_path: Path) -> None:
+    """--sides: fastt against DP and eager, each model run twice; the noise is the largest change of one
+    planner's time, and fastt is flagged only where it is slower by more than that."""
+    summary = bench("runtime", tmp_path, "--sides")
+    rows = json.loads((tmp_path / "runtime-sides-small.json").read_text())["sides"]
+    models = ["mlp", "lenet"]
+    assert [r["model"] for r in rows] == models
+    for r in rows:
+        t = r["seconds"]
+        assert set(t) == {"fastt", "dp", "eager"} and all(len(x) == 2 and positive(*x) for x in t.values())
+        assert r["noise"] == pytest.approx(max(max(x) / min(x) - 1 for x in t.values()))
+        assert len(r["kept"]) == 2 and set(r["kept"]) <= {"fastt", "dp", "single"}
+        mean = {p: statistics.mean(x) for p, x in t.items()}
+        assert r["slower_than"] == [p for p in ("dp", "eager") if mean["fastt"] > mean[p] * (1 + r["noise"])]
+    assert summary["slower"] == {r["model"]: r["slower_than"] for r in rows if r["slower_than"]}
+    block = script("runtime").render_sides(rows, "python benchmarks/runtime.py --sides")
+    assert "## fastt against data parallelism and plain PyTorch" in block
+    assert all(re.search(rf"^\| {m} \| [\d.]+ / [\d.]+ \|", block, re.MULTILINE) for m in models)
+
+
 def test_runtime_benchmark_in_bf16_beside_fp32_small(tmp_path: Path) -> None:
     """--precision bf16: each planner's simulated vs measured time in fp32 and in bf16 from one run; its block
     of docs/runtime.md survives a rewrite of the rest."""
@@ -179,9 +199,13 @@ def test_runtime_benchmark_in_bf16_beside_fp32_small(tmp_path: Path) -> None:
     block = runtime.render_precision(rows, "python benchmarks/runtime.py --precision bf16")
     assert block.startswith(runtime.BEGIN_PRECISION) and block.rstrip().endswith(runtime.END_PRECISION)
     assert all(f"| mlp | {p} |" in block for p in ("fastt", "dp", "single"))
-    old = "# Runtime benchmarks\n\nold tables\n\n" + block
-    assert runtime.with_precision_block("# Runtime benchmarks\n\nnew tables\n", old).endswith(block)
-    assert "old tables" not in runtime.with_precision_block("# Runtime benchmarks\n\nnew tables\n", old)
+    sides = runtime.render_sides([], "python benchmarks/runtime.py --sides")
+    old = "# Runtime benchmarks\n\nold tables\n\n" + block + "\n" + sides
+    new = runtime.with_blocks("# Runtime benchmarks\n\nnew tables\n", old)  # the full run keeps both blocks
+    assert new == "# Runtime benchmarks\n\nnew tables\n\n" + block + "\n" + sides
+    assert runtime.tables_of(old) == "# Runtime benchmarks\n\nold tables\n\n"
+    again = runtime.with_blocks(runtime.tables_of(old), old, block.replace("bf16", "fp16"))  # a block replaced
+    assert again.count("<!--") == 4 and "fp16" in again and again.endswith(sides)
 
 
 def test_distributed_benchmark_small(tmp_path: Path) -> None:
