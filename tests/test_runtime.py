@@ -490,16 +490,17 @@ def random_topological_rank(g, rng: random.Random) -> list[int]:
 
 
 def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
-    """`fastt run`'s planners train side by side: step k of each before step k+1 of any, each from its own
-    copy of the workload, and each still equal to eager (a slow moment of the machine falls on all)."""
+    """`fastt run`'s planners train side by side, BLOCK steps of each in turn, each from its own copy of the
+    workload, and each still equal to eager (a slow moment of the machine falls on all)."""
     from fastt.runtime import bench
 
-    taken = []
+    taken, seconds = [], []
 
     def timed(fn, *args):
         taken.append("eager" if fn is bench.eager_step else
                      fn.strategy.planner if isinstance(fn, bench.ParallelStep) else "profiled")
-        return real(fn, *args)
+        seconds.append(real(fn, *args))
+        return seconds[-1]
 
     real = bench.timed
     monkeypatch.setattr(bench, "timed", timed)
@@ -509,7 +510,11 @@ def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
         w = zoo.get("mlp", "test", dropout=False)
         return "mlp", w.model, w.loss_fn, w.optimizer, w.example_inputs
 
+    monkeypatch.setattr(bench, "BLOCK", 2)
     out = bench.run_planners(make, "cpu:2", ["dp", "single", "eager"], 3, check=True, trial=False)
-    assert taken == ["dp", "single", "eager"] * 2 + ["profiled", "profiled", "eager"]
+    # two steps of each, then the third: its last step profiled
+    assert taken == ["dp", "dp", "single", "single", "eager", "eager", "profiled", "profiled", "eager"]
+    # the first step is a warm-up and the third follows another planner's steps: step 1 alone is counted
+    assert [r["measured_iteration_s"] for r in out["results"]] == [seconds[1], seconds[3], seconds[5]]
     assert [r["planner"] for r in out["results"]] == ["dp", "single", "eager"]
     assert out["max_param_rel_diff"] < 1e-5

@@ -17,6 +17,7 @@ from .trial import timed
 from .tune import Tuner
 
 Workload = tuple  # (name, model, loss_fn, optimizer, example_inputs)
+BLOCK = 4  # steps a planner takes in a row in `run_planners` before the next planner's
 
 
 def _placed(make: Callable[[], Workload], home: str) -> Workload:
@@ -31,10 +32,12 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
                  trial: bool = True, autocast: torch.dtype | None = None,
                  trace: Callable[[str, int, list, ParallelStep], None] | None = None) -> dict:
     """Train `steps` steps with each planner (and `eager`: plain PyTorch on all cores) from the same start,
-    each on its own copy of the workload (`make()`), the planners' steps taken in turn.
+    each on its own copy of the workload (`make()`), the planners' steps taken in turn, BLOCK steps at a time:
+    every copy is alive at once (twice as many with `check`).
 
-    Measured iteration time: the median over the steps after the first (with `tune`, the `fastt` planner tunes
-    its plan in the first steps: the median over the steps after tuning). `busy_s`: each device's busy seconds
+    Measured iteration time: the median over the steps after the first, the first of each later block left
+    out too (with `tune`, the `fastt` planner tunes its plan in the first steps: the median over the steps
+    after tuning). `busy_s`: each device's busy seconds
     in the last step (`ParallelStep.profiled`), beside the simulator's (`simulated_busy_s`), and
     `allreduce_s` what each spent computing allreduce means. `setup_s`: what
     `parallelize` took, the `fastt` planner's trial against data parallelism included (`trial=False`: its
@@ -51,13 +54,16 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     for run in runs:
         if run.planner != "eager":
             run.place(devices, tune, clip_grad_norm, trial, autocast, check and _placed(make, home))
-    # the planners' steps taken in turn, step k of each before step k+1 of any: a slow moment of the machine
-    # falls on all of them, not on one planner's block of steps (the demo's transformer, run in blocks on a
-    # busy machine: fastt's one device on every core 150.4 ms against eager's 121.9 in the block after; in
-    # turn on a quiet one, 90.6 against 91.2 and 92.7 against 92.9 in two runs)
-    for k in range(steps):
+    # the planners' steps taken in turn, BLOCK steps of each at a time: a slow moment of the machine falls on
+    # all of them, not on one planner's run of steps (the demo's transformer, each planner's 16 steps in one
+    # block: fastt's one device on every core 150.4 ms against eager's 121.9 in the block after; step by step
+    # in turn, 90.6 against 91.2 and 92.7 against 92.9 in two runs), and the first step of a block, whose
+    # caches another planner's steps left, is not timed (step by step in turn, the simulator's median error
+    # over the zoo rose from 6% to 10%: every step started cold, as a training loop's do not)
+    for start in range(0, steps, BLOCK):
         for index, run in enumerate(runs):
-            run.take(k, clip_grad_norm, autocast, trace, index)
+            for k in range(start, min(start + BLOCK, steps)):
+                run.take(k, clip_grad_norm, autocast, trace, index, counted=k > start or start == 0)
     return {"model": runs[0].workload[0], "devices": devices, "steps": steps,
             "results": [run.result() for run in runs],
             "max_param_rel_diff": max(run.worst for run in runs) if check else None,
@@ -72,6 +78,7 @@ class _Run:
         self.planner, self.workload = planner, workload
         self.batches = [tuple(x.to(home) for x in batch_like(workload[4], i)) for i in range(steps)]
         self.times: list[float] = []
+        self.cold: set[int] = set()  # steps after another planner's, not timed
         self.tuned, self.worst = 0, 0.0
         self.busy: list = []
         self.reducing: list = []
@@ -92,10 +99,13 @@ class _Run:
         self.ref = ref or None
 
     def take(self, k: int, clip_grad_norm: float | None, autocast: torch.dtype | None,
-             trace: Callable[[str, int, list, ParallelStep], None] | None, index: int) -> None:
-        """Step k, timed (the last one profiled too), checked against the eager copy where there is one."""
+             trace: Callable[[str, int, list, ParallelStep], None] | None, index: int, counted: bool) -> None:
+        """Step k, timed (the last one profiled too), checked against the eager copy where there is one;
+        `counted` False: its time is left out of the median (`cold`)."""
         _, model, loss_fn, opt, _ = self.workload
         b, step = self.batches[k], self.step
+        if not counted:
+            self.cold.add(k)
         if step is None:
             self.times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
             return
@@ -118,12 +128,15 @@ class _Run:
     def result(self) -> dict:
         """The planner's row: its measured median after the first step (after tuning, with a tuner), beside
         the simulated time."""
-        times, step = self.times, self.step
+        step, times = self.step, self.times
+
+        def after(first: int) -> list[float]:  # the counted steps from step `first` on
+            return [t for k, t in enumerate(times) if k >= first and k not in self.cold]
+
         if step is None:
-            return {"planner": "eager", "measured_iteration_s": statistics.median(times[1:] or times),
+            return {"planner": "eager", "measured_iteration_s": statistics.median(after(1) or times),
                     "simulated_iteration_s": None, "error": None}
-        after = times[self.tuned + 1:] or times[-max(1, len(times) // 2):]
-        measured = statistics.median(after)
+        measured = statistics.median(after(self.tuned + 1) or times[-max(1, len(times) // 2):])
         tuner = self.tuner
         return {"planner": self.planner, "measured_iteration_s": measured,
                 "simulated_iteration_s": step.simulated_s,
