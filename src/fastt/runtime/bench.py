@@ -58,8 +58,9 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     # all of them, not on one planner's run of steps (the demo's transformer, each planner's 16 steps in one
     # block: fastt's one device on every core 150.4 ms against eager's 121.9 in the block after; step by step
     # in turn, 90.6 against 91.2 and 92.7 against 92.9 in two runs), and the first step of a block, whose
-    # caches another planner's steps left, is not timed (step by step in turn, the simulator's median error
-    # over the zoo rose from 6% to 10%: every step started cold, as a training loop's do not)
+    # caches another planner's steps left, is not counted: a training loop's steps follow each other warm
+    # (step by step in turn, every step started cold, eager's too, and `runtime.py --sides` found fastt
+    # slower than eager beyond the noise on no model; in blocks of 4, on dlrm and the ConvNeXt-style net)
     for start in range(0, steps, BLOCK):
         for index, run in enumerate(runs):
             for k in range(start, min(start + BLOCK, steps)):
