@@ -193,9 +193,9 @@ def tables_of(doc: str) -> str:
 def with_blocks(text: str, old: str, new: str = "") -> str:
     """`text` followed by the blocks of `old` (the doc before a rewrite) that other runs of this script write
     (`BLOCKS`), `new` in place of its own kind's, so that no run drops another's table."""
-    blocks = [new if new and new.startswith(begin) else block_of(old, begin, end) for begin, end in BLOCKS]
     if new and not any(new.startswith(begin) for begin, _ in BLOCKS):
         raise ValueError("not a block of this script")
+    blocks = [new if new and new.startswith(begin) else block_of(old, begin, end) for begin, end in BLOCKS]
     return "\n\n".join([text.rstrip("\n"), *(b.strip("\n") for b in blocks if b)]) + "\n"
 
 

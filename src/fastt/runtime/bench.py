@@ -53,7 +53,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     runs = [_Run(planner, _placed(make, home), steps, home) for planner in planners]
     for run in runs:
         if run.planner != "eager":
-            run.place(devices, tune, clip_grad_norm, trial, autocast, check and _placed(make, home))
+            run.place(devices, tune, clip_grad_norm, trial, autocast, _placed(make, home) if check else None)
     # the planners' steps taken in turn, BLOCK steps of each at a time: a slow moment of the machine falls on
     # all of them, not on one planner's run of steps (the demo's transformer, each planner's 16 steps in one
     # block: fastt's one device on every core 150.4 ms against eager's 121.9 in the block after; step by step
@@ -64,7 +64,7 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     for start in range(0, steps, BLOCK):
         for index, run in enumerate(runs):
             for k in range(start, min(start + BLOCK, steps)):
-                run.take(k, clip_grad_norm, autocast, trace, index, counted=k > start or start == 0)
+                run.take(k, clip_grad_norm, autocast, trace, index)
     return {"model": runs[0].workload[0], "devices": devices, "steps": steps,
             "results": [run.result() for run in runs],
             "max_param_rel_diff": max(run.worst for run in runs) if check else None,
@@ -79,7 +79,6 @@ class _Run:
         self.planner, self.workload = planner, workload
         self.batches = [tuple(x.to(home) for x in batch_like(workload[4], i)) for i in range(steps)]
         self.times: list[float] = []
-        self.cold: set[int] = set()  # steps after another planner's, not timed
         self.tuned, self.worst = 0, 0.0
         self.busy: list = []
         self.reducing: list = []
@@ -89,7 +88,7 @@ class _Run:
         self.setup_s = 0.0
 
     def place(self, devices: str, tune: bool, clip_grad_norm: float | None, trial: bool,
-              autocast: torch.dtype | None, ref: Workload | bool) -> None:
+              autocast: torch.dtype | None, ref: Workload | None) -> None:
         """Plan and place the step (`parallelize`, timed: `setup_s`); `ref`: the eager copy that checks it."""
         _, model, loss_fn, opt, inputs = self.workload
         self.tuner = Tuner() if tune and self.planner == "fastt" else None
@@ -97,16 +96,13 @@ class _Run:
         self.step = parallelize(model, loss_fn, opt, inputs, devices, self.planner, tune=self.tuner or False,
                                 clip_grad_norm=clip_grad_norm, trial=trial, autocast=autocast)
         self.setup_s = time.perf_counter() - t0
-        self.ref = ref or None
+        self.ref = ref
 
     def take(self, k: int, clip_grad_norm: float | None, autocast: torch.dtype | None,
-             trace: Callable[[str, int, list, ParallelStep], None] | None, index: int, counted: bool) -> None:
-        """Step k, timed (the last one profiled too), checked against the eager copy where there is one;
-        `counted` False: its time is left out of the median (`cold`)."""
+             trace: Callable[[str, int, list, ParallelStep], None] | None, index: int) -> None:
+        """Step k, timed (the last one profiled too), checked against the eager copy where there is one."""
         _, model, loss_fn, opt, _ = self.workload
         b, step = self.batches[k], self.step
-        if not counted:
-            self.cold.add(k)
         if step is None:
             self.times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
             return
@@ -131,8 +127,8 @@ class _Run:
         the simulated time."""
         step, times = self.step, self.times
 
-        def after(first: int) -> list[float]:  # the counted steps from step `first` on
-            return [t for k, t in enumerate(times) if k >= first and k not in self.cold]
+        def after(first: int) -> list[float]:  # from step `first` on, less the first of each later block
+            return [t for k, t in enumerate(times) if k >= first and k % BLOCK]
 
         if step is None:
             return {"planner": "eager", "measured_iteration_s": statistics.median(after(1) or times),
