@@ -144,25 +144,40 @@ def test_no_trial_for_another_planner_trial_false_or_a_plan_that_is_dp(monkeypat
 
 
 def test_one_device_on_every_core_trains_as_eager() -> None:
-    """The trial's one-device rival: one worker device running with all the cores, its op times measured so, and
-    its steps equal to the eager steps (rtol 1e-5)."""
-    from fastt.runtime.step import all_cores
+    """The trial's one-device rival: plain PyTorch on all the cores (the eager step, not the runtime), its op times
+    measured so; its steps equal the eager steps (rtol 1e-5), and like every plan's they leave `.grad` as it was.
+    Under the storage meter it runs through the runtime, whose threads the meter watches."""
+    from fastt.runtime.memory import measured_peaks
+    from fastt.runtime.step import EAGER, EagerStep, all_cores
 
     model, opt, inputs = make()
     ref_model, ref_opt, _ = make()
     first = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", "single")
-    step = all_cores(model, opt, first.graph, inputs)
+    step = all_cores(model, nn.functional.mse_loss, opt, first.graph, inputs)
+    assert isinstance(step, EagerStep) and step.host_seconds() == 0.0
     assert [d.kind for d in step.cluster.devices] == ["cpu"] and step.threads_per_device == torch.get_num_threads()
     assert step.costs.threads == torch.get_num_threads()
+    marked = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), marked):
+        p.grad = g
     for i in range(3):
         b = batch(i)
         expected = eager_step(ref_model, nn.functional.mse_loss, ref_opt, b)
-        torch.testing.assert_close(step(*b), expected, rtol=1e-5, atol=1e-6)
+        if i < 2:
+            torch.testing.assert_close(step(*b), expected, rtol=1e-5, atol=1e-6)
+        else:  # profiled: the one device busy for the whole step, which it names in a measured trace
+            spans: list = []
+            loss, busy, reducing = step.profiled(*b, spans=spans)
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+            assert [s[:2] for s in spans] == [(EAGER, 0)] and busy == [spans[0][3] - spans[0][2]] and reducing == [0]
+    assert all(p.grad is g for p, g in zip(model.parameters(), marked))
     for (n, x), y in zip(ref_model.state_dict().items(), model.state_dict().values()):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
-    # Its plan saved and given back (a resumed job) runs the same way on cpu:2: one device, every core.
+    assert measured_peaks(step, inputs)[0] > 0  # counted by the runtime's meter (test_memory checks its bytes)
+    # Its plan saved and given back (a resumed job) runs the same way on cpu:2: one device, every core, eager.
     again = parallelize(model, nn.functional.mse_loss, opt, inputs, "cpu:2", strategy=step.strategy)
     assert len(again.cluster.devices) == 1 and again.threads_per_device == torch.get_num_threads()
+    assert isinstance(again, EagerStep)
 
 
 def test_fastt_run_says_which_plan_the_trial_kept() -> None:

@@ -52,9 +52,10 @@ def chrome_trace(timeline: Timeline, g: OpGraph) -> dict[str, Any]:
 def run_trace(planner: str, index: int, spans: list, device_names: list[str], timeline: Timeline,
               g: OpGraph) -> list[dict[str, Any]]:
     """A measured step of `planner`'s plan beside its simulated one, as Chrome trace events: process 10·index
-    holds the measured segments and allreduce means (`spans`: (segment or None, device, start, end) in
-    seconds, from `ParallelStep.profiled`), one thread per device, from the step's first segment; 10·index + 1
-    and + 2 the simulated devices and links (`chrome_trace`). Perfetto shows them one above the other."""
+    holds the measured segments and allreduce means (`spans`: (a segment, None for an allreduce mean or the
+    name of a whole step run as one, device, start, end) in seconds, from `ParallelStep.profiled`), one thread
+    per device, from the step's first segment; 10·index + 1 and + 2 the simulated devices and links
+    (`chrome_trace`). Perfetto shows them one above the other."""
     us, base = 1e6, 10 * index
     t0 = min((s[2] for s in spans), default=0.0)
     events: list[dict[str, Any]] = [
@@ -62,7 +63,8 @@ def run_trace(planner: str, index: int, spans: list, device_names: list[str], ti
     events += [{"name": "thread_name", "ph": "M", "pid": base, "tid": d, "args": {"name": name}}
                for d, name in enumerate(device_names)]
     for seg, d, start, end in spans:
-        name = ("allreduce mean" if seg is None else seg.tasks[0].name if len(seg.tasks) == 1 else
+        name = ("allreduce mean" if seg is None else seg if isinstance(seg, str) else
+                seg.tasks[0].name if len(seg.tasks) == 1 else
                 f"{seg.tasks[0].name} .. {seg.tasks[-1].name} ({len(seg.tasks)} ops)")
         events.append({"name": name, "cat": "measured", "ph": "X", "pid": base, "tid": d,
                        "ts": (start - t0) * us, "dur": (end - start) * us})

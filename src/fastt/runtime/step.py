@@ -28,6 +28,7 @@ from .decide import decide, tuner_of
 from .local import host_work, run_step
 from .meter import StorageMeter
 from .programs import Placed, place, release_points
+from .reference import eager_step
 from .trial import Trial, raced, trial_steps
 from .tune import Tuner
 
@@ -187,11 +188,12 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
     worker devices, than one device with every core (FastT's rule; that device is what plain eager PyTorch
     uses): they run a few steps on the example batch first (`trial=True`: 3 after a warm-up; a number: that
     many; False: the plan unmeasured), the model, optimizer and random generators put back after; `step.trial`
-    has the medians and which plan was kept (`fastt.runtime.trial`). A one-device `strategy` (the trial's
-    rival kept, saved) runs on one CPU worker device with every core. `tune=True` (or a configured `Tuner`)
-    instead starts from data parallelism when it fits and runs FastT's tuning loop during the first steps; on
-    CPU worker devices, without a `strategy`, that start is first raced against one device with every core
-    (`trial` steps), and where that rival measures faster it is kept and nothing is tuned.
+    has the medians and which plan was kept (`fastt.runtime.trial`). The rival with every core, and a
+    one-device `strategy` on CPU (that rival kept, saved), run as the plain eager step (`EagerStep`).
+    `tune=True` (or a configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's
+    tuning loop during the first steps; on CPU worker devices, without a `strategy`, that start is first
+    raced against one device with every core (`trial` steps), and where that rival measures faster it is
+    kept and nothing is tuned.
     `clip_grad_norm` clips the gradients to that global norm before every update, as
     `torch.nn.utils.clip_grad_norm_` would between backward and `optimizer.step()`. `accumulate=k` takes each
     step's batch as k micro-batches per device, one after the other, and updates once with the whole batch's
@@ -211,8 +213,9 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         raise FasttError("accumulate runs data parallelism over the micro-batches: use it with planner dp "
                          "(or the default), without tune or a strategy of your own")
     cl = cluster(devices)
-    if strategy is not None and strategy.n_devices == 1 and {d.kind for d in cl.devices} == {"cpu"}:
-        cl = cluster("cpu:1")  # a one-device plan (the trial's rival, `all_cores`) runs with every core
+    every_core = strategy is not None and strategy.n_devices == 1 and {d.kind for d in cl.devices} == {"cpu"}
+    if every_core:  # a one-device plan (the trial's rival, `all_cores`) runs with every core: eager PyTorch
+        cl = cluster("cpu:1")
     _check_home(model, example_inputs, cl)
     cl = calibrate_cpu(cl)
     n = len(cl.devices)
@@ -236,8 +239,15 @@ def parallelize(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.opti
         return ParallelStep(model, optimizer, graph, cl, chosen.costs, place(graph, s, cl, chosen.costs),
                             threads, example_inputs, tuning)
 
-    step = placed(chosen.strategy, tuner)
-    alone = None if cuda or n < 2 else lambda: all_cores(model, optimizer, graph, example_inputs)
+    if every_core and tuner is None:
+        one = place(graph, chosen.strategy, cl, chosen.costs)
+        step: ParallelStep = EagerStep(model, optimizer, graph, cl, chosen.costs, one, threads,
+                                       example_inputs, loss_fn=loss_fn, clip_grad_norm=clip_grad_norm,
+                                       autocast=autocast)
+    else:
+        step = placed(chosen.strategy, tuner)
+    alone = None if cuda or n < 2 else lambda: all_cores(model, loss_fn, optimizer, graph, example_inputs,
+                                                                 clip_grad_norm, autocast)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
         step = raced(step, placed, example_inputs, trial_steps(trial), alone=alone)
     elif tuner is not None and strategy is None and alone is not None:
@@ -262,17 +272,61 @@ def _raced_before_tuning(step: ParallelStep, place_dp: Callable[[Strategy], Para
     return kept
 
 
-def all_cores(model: torch.nn.Module, optimizer: torch.optim.Optimizer, graph: OpGraph,
-              example_inputs: Sequence[torch.Tensor]) -> ParallelStep:
+def all_cores(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, graph: OpGraph,
+              example_inputs: Sequence[torch.Tensor], clip_grad_norm: float | None = None,
+              autocast: torch.dtype | None = None) -> EagerStep:
     """The step on one CPU worker device with every core: what plain eager PyTorch uses, its intra-op threads
     splitting each op, and on a small machine often faster than any plan over worker devices of a core each.
-    Its op times are measured at that thread count, so its simulated time is its own."""
+    It runs as the user's own eager step (`EagerStep`). Its op times are measured at that thread count, so its
+    simulated time is its own."""
     threads = torch.get_num_threads()
     one = calibrate_cpu(cluster("cpu:1"))
     costs = measure_step(graph, model, optimizer, example_inputs, [graph.batch], threads, 1)
-    return ParallelStep(model, optimizer, graph, one, costs,
-                        place(graph, single_device(graph, one), one, costs),
-                        threads, example_inputs)
+    return EagerStep(model, optimizer, graph, one, costs, place(graph, single_device(graph, one), one, costs),
+                     threads, example_inputs, loss_fn=loss_fn, clip_grad_norm=clip_grad_norm,
+                     autocast=autocast)
+
+
+class EagerStep(ParallelStep):
+    """One device with every core, run as plain PyTorch: the user's forward, loss and backward, the clip and
+    `optimizer.step()` (`reference.eager_step`), where `ParallelStep` would run the same one-device plan
+    through its runtime, op by op, at a cost (measured with one thread: dlrm at test size 4.9 ms a step
+    eager, 5.6-5.7 ms through the runtime). It keeps what every plan keeps: the model's parameters and the
+    optimizer's state are updated, `.grad` is left as it was, and the loss is returned detached. The
+    simulated step is the plan's, with no host work outside its ops. While `memory.measured_peaks` counts
+    storage (`meter`), the step runs through the runtime, whose devices' threads the meter watches."""
+
+    def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
+                 autocast: torch.dtype | None) -> None:
+        super().__init__(*args)
+        self.loss_fn, self.clip_grad_norm, self.autocast = loss_fn, clip_grad_norm, autocast
+
+    def _step(self, batch: Sequence[torch.Tensor], timings: list | None, tuning: bool,
+              spans: list | None = None) -> torch.Tensor:
+        if self.meter is not None:
+            return super()._step(batch, timings, tuning, spans)
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params]
+        t0 = time.perf_counter()
+        try:
+            loss = eager_step(self.model, self.loss_fn, self.optimizer, batch, self.clip_grad_norm,
+                              self.autocast)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        seconds = time.perf_counter() - t0
+        if timings is not None:  # `profiled`: the one device was busy for the whole step
+            timings.append((EAGER, 0, seconds))
+        if spans is not None:
+            spans.append((EAGER, 0, t0, t0 + seconds))
+        return loss
+
+    def host_seconds(self, runs: int = 5) -> float:
+        """Nothing: the eager step has no work outside its device (the host is that device)."""
+        return 0.0
+
+
+EAGER = "eager step (plain PyTorch)"  # how an `EagerStep`'s step is named in timings and measured traces
 
 
 def _check_home(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], cl: Cluster) -> None:
