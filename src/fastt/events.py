@@ -159,6 +159,8 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
     ar_need: dict[int, int] = {}
     edges: dict[int, list] = {}
     readers = Readers([], [], [])
+    copies, by, kept = readers
+    parted = [len(op.out_parts) > 1 for op in g.ops]  # one storage (the most): kept is part 0, added inline
     for i, op in enumerate(g.ops):
         pairs = g.reads[i]
         if op.kind == ALLREDUCE:
@@ -172,7 +174,12 @@ def _consumers(g: OpGraph, dev: list[int], held: list[tuple[int, ...]], nd: int)
             if d in held[j] and g.ops[j].kind in RESIDENT:
                 continue  # a resident already on this device
             key = j * nd + d
-            readers.add(g, key, i, j)
+            if parted[j]:
+                readers.add(g, key, i, j)
+            else:
+                copies.append(key)
+                by.append(i)
+                kept.append(0)
             need[i] += 1
             e = edges.get(key)
             if e is None:

@@ -138,17 +138,15 @@ class Strategy:
     def _devices(self, g: OpGraph) -> list[int]:
         """Device of each op (-1 for residents and allreduces), checking placement covers exactly the placed
         ops."""
-        dev = [-1] * len(g.ops)
+        ops, index, valid = g.ops, g.index, range(self.n_devices)
+        dev = [-1] * len(ops)
         for name, d in self.placement.items():
-            i = _lookup(g, name, "placement")
-            kind = g.ops[i].kind
-            if kind in RESIDENT or kind == ALLREDUCE:
-                raise FasttError(f"placement lists '{name}', a {kind} op: "
-                                 + ("residents go in holders" if kind in RESIDENT
-                                    else "allreduces are not placed"))
-            self._in_range(d, f"placement of '{name}'")
+            i = index.get(name)
+            if i is None or ops[i].kind in RESIDENT or ops[i].kind == ALLREDUCE or type(d) is not int \
+                    or d not in valid:
+                self._bad_placement(g, name, d)
             dev[i] = d
-        for i, op in enumerate(g.ops):
+        for i, op in enumerate(ops):
             if dev[i] < 0 and op.kind not in RESIDENT and op.kind != ALLREDUCE:
                 raise FasttError(f"op '{op.name}' is missing from placement; every non-resident op needs a "
                                  "device")
@@ -158,6 +156,14 @@ class Strategy:
                         raise FasttError(f"allreduce '{op.name}' reads '{g.ops[j].name}', which is not "
                                          "placed on a device; an allreduce aggregates placed ops")
         return dev
+
+    def _bad_placement(self, g: OpGraph, name: str, d: object) -> None:
+        """Raise what is wrong with placing op `name` on device `d`."""
+        kind = g.ops[_lookup(g, name, "placement")].kind
+        if kind in RESIDENT or kind == ALLREDUCE:
+            what = "residents go in holders" if kind in RESIDENT else "allreduces are not placed"
+            raise FasttError(f"placement lists '{name}', a {kind} op: {what}")
+        self._in_range(d, f"placement of '{name}'")
 
     def _holders(self, g: OpGraph) -> dict[int, tuple[int, ...]]:
         """Holder devices of each resident op, checking every resident has at least one."""
@@ -181,15 +187,16 @@ class Strategy:
         if len(self.order) != self.n_devices:
             raise FasttError(f"order has {len(self.order)} device lists but the strategy has "
                              f"{self.n_devices} devices; give one list per device")
-        pos = [-1] * len(g.ops)
+        pos, index = [-1] * len(g.ops), g.index
         for d, names in enumerate(self.order):
             for k, name in enumerate(names):
-                i = _lookup(g, name, f"order on device {d}")
-                if dev[i] != d:
-                    where = (f"placed on device {dev[i]}" if dev[i] >= 0
-                             else f"a {g.ops[i].kind} op, not placed")
-                    raise FasttError(f"order on device {d} lists '{name}', which is {where}")
-                if pos[i] >= 0:
+                i = index.get(name)
+                if i is None or dev[i] != d or pos[i] >= 0:
+                    i = _lookup(g, name, f"order on device {d}")
+                    if dev[i] != d:
+                        where = (f"placed on device {dev[i]}" if dev[i] >= 0
+                                 else f"a {g.ops[i].kind} op, not placed")
+                        raise FasttError(f"order on device {d} lists '{name}', which is {where}")
                     raise FasttError(f"order on device {d} lists '{name}' twice")
                 pos[i] = k
         for i, d in enumerate(dev):
