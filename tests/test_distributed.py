@@ -506,6 +506,17 @@ def test_rank_0_gets_what_it_does_not_read_only_when_synced(tmp_path: Path) -> N
     assert got["diff"] <= 1e-5 and got["state_diff"] <= 1e-5, got
 
 
+def test_one_process_runs_as_rank_0s_eager_step(tmp_path: Path) -> None:
+    """A one-process plan given to parallelize_distributed (the trial's rival, saved) is rank 0's eager step on
+    the rows the other rank sends: each step equals the eager step of the whole batch from the same state (rtol
+    1e-5), loss included, and `.grad` is left as it was."""
+    out = tmp_path / "eager.json"
+    r = torchrun_script("distributed_eager.py", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["eager"] and got["grads_kept"] and got["diff"] <= 1e-5 and got["loss_diff"] <= 1e-5, got
+
+
 def test_owt_with_its_linear_layers_in_parts_over_gloo_trains_as_eager(tmp_path: Path) -> None:
     """vgg19's classifier in parts over 2 ranks (`megatron.held_in_parts` of owt's plan), the convolutions
     data-parallel: each step equals eager's from the same state (rtol 1e-5)."""

@@ -24,7 +24,7 @@ from ..trial import TRIAL_STEPS, raced
 from ..tune import Tuner
 from .calibrate import measure_agreement, rank_cluster, rank_device, rank_targets, synchronized
 from .faults import DEFAULT_TIMEOUT_S, alone_on_rank0
-from .step import DistributedStep, check_same, racing, whole_state
+from .step import DistributedStep, EagerRankStep, check_same, racing, whole_state
 from .wiring import wire
 
 
@@ -43,7 +43,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     makes one of the ranks' shards); training then passes each rank its shard (`DistributedStep`).
 
     The `fastt` planner keeps its plan only if it measures faster than data parallelism (FastT's rule) and
-    than one process (the whole step on rank 0's device, the other ranks sending it their shards' rows): all
+    than one process (the whole step on rank 0's device as the user's eager step, `EagerRankStep`, the other
+    ranks sending it their shards' rows; a one-process `strategy` given runs so too): all
     run `trial_steps` steps first, each rank on its shard, the model and optimizer restored after (0: no
     trial; `fastt.runtime.trial`, as `parallelize` does). `step.trial` has the times. `tune=True` (or a
     configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
@@ -68,31 +69,43 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                     measure=lambda batches, _: measure_step(graph, model, optimizer, example_inputs, batches,
                                                             threads, 1),
                     alone=alone_on_rank0)
+    given = strategy is not None
     strategy, costs = chosen.strategy, chosen.costs
     box = [strategy.to_json() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     strategy = Strategy.from_json(box[0])
-    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner, host)
+    eager = {"loss_fn": loss_fn, "clip_grad_norm": clip_grad_norm, "autocast": autocast}
+    # a one-process plan given (the trial's rival kept, saved and resumed) runs as that rival does
+    alone = given and tuner is None and set(strategy.placement.values()) == {0}
+    step = _placed_step(model, optimizer, graph, strategy, cl, costs, timeout_s, tuner, host,
+                        eager if alone else None)
     if chosen.planned and tuner is None:  # the tuner measures and rolls back itself
         mine = shard_of(example_inputs, rank, world)  # as training runs: each rank its shard
         def rival(s: Strategy) -> DistributedStep:
             return _placed_step(model, optimizer, graph, s, cl, costs, timeout_s, host=host)
 
-        # One process: the whole step on rank 0's device (the others send their shards' rows and wait)
+        # One process: the whole step on rank 0's device as the user's eager step (the others send their
+        # shards' rows and wait)
         one = (None if world < 2 or len(set(strategy.placement.values())) < 2 else
-               lambda: rival(single_device(graph, cl)))
+               lambda: _placed_step(model, optimizer, graph, single_device(graph, cl), cl, costs, timeout_s,
+                                    host=host, eager=eager))
         with racing(optimizer):  # every rank's own state is put back after, the same on every rank
             step = raced(step, rival, mine, trial_steps, _between_barriers, _rank0s, alone=one)
     return step
 
 
 def _placed_step(model, optimizer, graph, strategy: Strategy, cl: Cluster, costs, timeout_s: float,
-                 tuner: Tuner | None = None, host: tuple = (None, 0.0)) -> DistributedStep:
+                 tuner: Tuner | None = None, host: tuple = (None, 0.0),
+                 eager: dict | None = None) -> DistributedStep:
     """The DistributedStep of `strategy` (`host`: a whole batch it takes and the ranks' agreement's
-    seconds, for its simulated time), after checking that every rank compiled the same messages."""
+    seconds, for its simulated time), after checking that every rank compiled the same messages; with
+    `eager` (the loss, clip and autocast), a one-device plan's `EagerRankStep`."""
     placed = place(graph, strategy, cl, costs, rank_targets(rank_device()))
     wiring = wire(placed.lowered, placed.programs)
     check_same(wiring)
+    if eager is not None:
+        return EagerRankStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner, *host,
+                             **eager)
     return DistributedStep(model, optimizer, placed, wiring, timeout_s, graph, cl, costs, tuner, *host)
 
 

@@ -9,7 +9,7 @@ import hashlib
 import statistics
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -26,6 +26,7 @@ from ...strategy import Strategy
 from ..local import replica_envs, replica_tables, weighted_loss
 from ..oom import oom_message, out_of_memory
 from ..programs import Placed, place
+from ..reference import eager_step
 from ..shards import Feed, Piece, plan_feed
 from ..step import PlacedStep
 from ..tune import Tuner
@@ -114,16 +115,20 @@ class DistributedStep(PlacedStep):
         with torch.no_grad(), self._failing():
             run.run()
         self._keep(envs, params, tensors)
-        if self.wiring.everywhere:
-            _HELD.pop(self.optimizer, None)
-        else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
-            _HELD[self.optimizer] = _Held(self.placed.strategy, self.placed.lowered.step, self.wiring.truth,
-                                          bool(self.wiring.gathers))
+        self._left()
         loss = weighted_loss(envs, self.placed.programs) if self.rank == 0 else None
         stepped(self.optimizer)
         if tuning:
             self._tune(time.perf_counter() - t0, run.timings)
         return loss
+
+    def _left(self) -> None:
+        """Record where this plan's step left the newest state (`_HELD`)."""
+        if self.wiring.everywhere:
+            _HELD.pop(self.optimizer, None)
+        else:  # some rank lacks some newest value: another plan's step, or a read of rank 0's, needs it first
+            _HELD[self.optimizer] = _Held(self.placed.strategy, self.placed.lowered.step, self.wiring.truth,
+                                          bool(self.wiring.gathers))
 
     def _begin(self, batch: Sequence[torch.Tensor], timings: list | None) -> tuple:
         """This rank's start of a step: (the parameters, every tensor of the model and optimizer the step
@@ -355,6 +360,47 @@ class DistributedStep(PlacedStep):
         check_same(self.wiring)
         self._connect()
         sync_from_rank0(self.model, self.optimizer, placed.lowered.step)
+
+
+class EagerRankStep(DistributedStep):
+    """One process: the whole step on rank 0's device (a one-device plan there), run as the user's own eager
+    step (`reference.eager_step`: forward, loss, backward, clip, `optimizer.step()`, `.grad` left as it was),
+    not through the runtime op by op. The other ranks send rank 0 their shards' rows, as the plan's
+    `DistributedStep` does, and take no step of their own; rank 0 keeps the newest state, which `sync()`
+    hands the others. The simulated step is the plan's and its rows', with no host work outside them."""
+
+    def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
+                 autocast: torch.dtype | None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        if set(self.placed.strategy.placement.values()) != {0}:
+            raise FasttError("an eager step runs a plan of one device, rank 0's")
+        self.loss_fn, self.clip_grad_norm, self.autocast = loss_fn, clip_grad_norm, autocast
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        self.whole_state()
+        self._left()  # before the forward: rank 0's guard reads it (inside a trial, another plan's rows)
+        low = self.placed.lowered
+        if self.world > 1 and not (batch and batch[0].shape[0] == low.step.batch * low.replicas):
+            with torch.no_grad(), self._failing():
+                batch = self._fed(batch)[0][0]  # rank 0 holds every input of the one replica (it checks it)
+        loss = None
+        if self.rank == 0:
+            params = list(self.model.parameters())
+            grads = [p.grad for p in params]
+            try:
+                with self._failing():
+                    loss = eager_step(self.model, self.loss_fn, self.optimizer, batch, self.clip_grad_norm,
+                                      self.autocast)
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
+        else:
+            stepped(self.optimizer)
+        return loss
+
+    def host_seconds(self, runs: int = 5) -> float:
+        """Nothing: rank 0's eager step has no work outside its device's."""
+        return 0.0
 
 
 def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
