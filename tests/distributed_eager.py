@@ -1,7 +1,7 @@
 """Run by test_distributed under torchrun (2 ranks): a one-process plan given (the trial's rival kept, saved
 and resumed) runs as rank 0's eager step, the other rank sending its shard's rows. Every step from the same state
 equals the plain eager step of the whole batch, the loss comes back on rank 0 (None on rank 1), and `.grad` is
-left as it was. Writes {"eager": bool, "diff": d, "loss_diff": l, "grads_kept": bool, "others": [...]} to the
+left as it was; switched to data parallelism, the next step is eager's too. Writes {"eager": bool, "diff": d, "loss_diff": l, "grads_kept": bool, "others": [...]} to the
 file argv[1] (rank 0).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed_eager.py OUT
@@ -35,15 +35,18 @@ def main(out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _, model, loss_fn, opt, inputs = make()
     cl = rank_cluster()
-    one = fastt.plan(fastt.capture(model, loss_fn, opt, inputs), cl, "single")
-    step = parallelize_distributed(model, loss_fn, opt, inputs, strategy=one, cl=cl)
+    g = fastt.capture(model, loss_fn, opt, inputs)
+    step = parallelize_distributed(model, loss_fn, opt, inputs, strategy=fastt.plan(g, cl, "single"), cl=cl)
+    eager = isinstance(step, EagerRankStep)
     ref = make() if rank == 0 else None
     marked = [torch.full_like(p, 7.0) for p in model.parameters()]
-    for p, g in zip(model.parameters(), marked):
-        p.grad = g
+    for p, mark in zip(model.parameters(), marked):
+        p.grad = mark
     diff = loss_diff = 0.0
     others = []
-    for i in range(STEPS):
+    for i in range(STEPS + 1):
+        if i == STEPS:  # switched to data parallelism: the runtime runs it, from rank 0's state
+            step.switch(fastt.plan(g, cl, "dp"))
         b = batch_like(inputs, i)
         if ref is not None:
             take_state(model, opt, ref[1], ref[3])
@@ -56,10 +59,10 @@ def main(out: str) -> None:
             others.append(loss)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"eager": isinstance(step, EagerRankStep), "diff": diff, "loss_diff": loss_diff,
-                       "grads_kept": all(p.grad is g for p, g in zip(model.parameters(), marked))}, f)
+            json.dump({"eager": eager, "diff": diff, "loss_diff": loss_diff,
+                       "grads_kept": all(p.grad is mark for p, mark in zip(model.parameters(), marked))}, f)
     else:
-        assert others == [None] * STEPS, others
+        assert others == [None] * (STEPS + 1), others
     dist.barrier()
     dist.destroy_process_group()
 

@@ -372,11 +372,15 @@ class EagerRankStep(DistributedStep):
     def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
                  autocast: torch.dtype | None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        if set(self.placed.strategy.placement.values()) != {0}:
-            raise FasttError("an eager step runs a plan of one device, rank 0's")
         self.loss_fn, self.clip_grad_norm, self.autocast = loss_fn, clip_grad_norm, autocast
+        self._alone: tuple = (None, False)  # (a placed plan, whether it runs on rank 0 alone)
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        placed = self.placed
+        if self._alone[0] is not placed:
+            self._alone = (placed, set(placed.strategy.placement.values()) == {0})
+        if not self._alone[1]:  # `switch`ed to another plan: the runtime runs it
+            return super().__call__(*batch)
         self.whole_state()
         self._left()  # before the forward: rank 0's guard reads it (inside a trial, another plan's rows)
         low = self.placed.lowered
@@ -399,8 +403,9 @@ class EagerRankStep(DistributedStep):
         return loss
 
     def host_seconds(self, runs: int = 5) -> float:
-        """Nothing: rank 0's eager step has no work outside its device's."""
-        return 0.0
+        """Nothing for rank 0's eager step, which has no work outside its device's (another plan's, switched
+        to, as `DistributedStep`'s)."""
+        return 0.0 if self._alone[1] or self._alone[0] is None else super().host_seconds(runs)
 
 
 def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
