@@ -517,4 +517,5 @@ def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
     # the first step is a warm-up and the third follows another planner's steps: step 1 alone is counted
     assert [r["measured_iteration_s"] for r in out["results"]] == [seconds[1], seconds[3], seconds[5]]
     assert [r["planner"] for r in out["results"]] == ["dp", "single", "eager"]
+    assert [r["counted_steps"] for r in out["results"]] == [[1]] * 3  # the JSON says which steps counted
     assert out["max_param_rel_diff"] < 1e-5

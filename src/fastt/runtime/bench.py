@@ -127,15 +127,17 @@ class _Run:
         the simulated time."""
         step, times = self.step, self.times
 
-        def after(first: int) -> list[float]:  # from step `first` on, less the first of each later block
-            return [t for k, t in enumerate(times) if k >= first and k % BLOCK]
+        def after(first: int) -> list[int]:  # the steps from `first` on, less the first of each later block
+            counted = [k for k in range(len(times)) if k >= first and k % BLOCK]
+            return counted or list(range(len(times)))[-max(1, len(times) // 2):]
 
+        counted = after(1 if step is None else self.tuned + 1)
+        measured = statistics.median(times[k] for k in counted)
         if step is None:
-            return {"planner": "eager", "measured_iteration_s": statistics.median(after(1) or times),
+            return {"planner": "eager", "measured_iteration_s": measured, "counted_steps": counted,
                     "simulated_iteration_s": None, "error": None}
-        measured = statistics.median(after(self.tuned + 1) or times[-max(1, len(times) // 2):])
         tuner = self.tuner
-        return {"planner": self.planner, "measured_iteration_s": measured,
+        return {"planner": self.planner, "measured_iteration_s": measured, "counted_steps": counted,
                 "simulated_iteration_s": step.simulated_s,
                 "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
                 "busy_s": self.busy, "allreduce_s": self.reducing,
