@@ -60,9 +60,8 @@ def train_both(make: Callable[[], tuple], planner: str, schedule: str | None = N
     ours, theirs, worst = [], [], 0.0
     for i in range(steps):
         batch = seed_batches(i) if seed_batches else batch_like(inputs, i)
-        if planner != "single":
-            ref_model.load_state_dict(model.state_dict())
-            ref_opt.load_state_dict(opt.state_dict())
+        if planner != "single":  # a copy: a step run as eager's updates the optimizer's state in place
+            take_state(model, opt, ref_model, ref_opt)
         ours.append(float(step(*batch)))
         theirs.append(float(eager_reference_step(ref_model, ref_loss_fn, ref_opt, batch, step.strategy.replicas,
                                                  clip)))

@@ -292,7 +292,9 @@ class EagerStep(ParallelStep):
     `optimizer.step()` (`reference.eager_step`), where `ParallelStep` would run the same one-device plan
     through its runtime, op by op, at a cost (measured with one thread: dlrm at test size 4.9 ms a step
     eager, 5.6-5.7 ms through the runtime). It keeps what every plan keeps: the model's parameters and the
-    optimizer's state are updated, `.grad` is left as it was, and the loss is returned detached. The
+    optimizer's state are updated (in place, as PyTorch's optimizers do: the runtime's plans hand over fresh
+    tensors, so a `state_dict()` kept unsaved and uncopied changes with the next step here), `.grad` is left
+    as it was, and the loss is returned detached. The
     simulated step is the plan's, with no host work outside its ops. While `memory.measured_peaks` counts
     storage (`meter`), the step runs through the runtime, whose devices' threads the meter watches."""
 
