@@ -294,9 +294,9 @@ class EagerStep(ParallelStep):
     eager, 5.6-5.7 ms through the runtime). It keeps what every plan keeps: the model's parameters and the
     optimizer's state are updated (in place, as PyTorch's optimizers do: the runtime's plans hand over fresh
     tensors, so a `state_dict()` kept unsaved and uncopied changes with the next step here), `.grad` is left
-    as it was, and the loss is returned detached. The
-    simulated step is the plan's, with no host work outside its ops. While `memory.measured_peaks` counts
-    storage (`meter`), the step runs through the runtime, whose devices' threads the meter watches."""
+    as it was, and the loss is returned detached. The simulated step is the plan's, with no host work outside
+    its ops. While `memory.measured_peaks` counts storage (`meter`), the step runs through the runtime, whose
+    devices' threads the meter watches: the peak it measures is the runtime's, not eager's."""
 
     def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
                  autocast: torch.dtype | None) -> None:

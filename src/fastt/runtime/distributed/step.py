@@ -366,8 +366,9 @@ class EagerRankStep(DistributedStep):
     """One process: the whole step on rank 0's device (a one-device plan there), run as the user's own eager
     step (`reference.eager_step`: forward, loss, backward, clip, `optimizer.step()`, `.grad` left as it was),
     not through the runtime op by op. The other ranks send rank 0 their shards' rows, as the plan's
-    `DistributedStep` does, and take no step of their own; rank 0 keeps the newest state, which `sync()`
-    hands the others. The simulated step is the plan's and its rows', with no host work outside them."""
+    `DistributedStep` does, and take no step of their own: rank 0 keeps the newest state, the others' goes
+    stale (as under the runtime's one-device plan; a switch to another plan hands them rank 0's). The
+    simulated step is the plan's and its rows', with no host work outside them."""
 
     def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
                  autocast: torch.dtype | None, **kwargs: object) -> None:
