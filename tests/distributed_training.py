@@ -20,6 +20,7 @@ import torch.distributed as dist
 from test_training import params_close
 
 from fastt.runtime.distributed import parallelize_distributed, rank_cluster
+from fastt.runtime.distributed.step import EagerRankStep
 from fastt.runtime.reference import batch_like, eager_step, take_state
 from fastt.runtime.shards import shard_of
 from fastt.workload import load_workload
@@ -87,7 +88,7 @@ def main(name: str, planners: str, path: str) -> None:
             "unchanged": same(before, (model.state_dict(), opt.state_dict())), "dry_once_s": dry,
             "simulated_s": step.simulated_s, "placed_s": step.placed.simulated_s, "dry_s": step.host_seconds(),
             "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agree_s,
-            "joins_s": step.joins_s()}
+            "joins_s": step.joins_s(), "eager": isinstance(step, EagerRankStep)}
         out[planner] = {}
         for schedule in SCHEDULES:
             model.load_state_dict(start[0])  # every rank starts each schedule from the same state

@@ -412,9 +412,10 @@ def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner:
     for schedule, res in got.items():
         assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (schedule, res)
     # The simulated step: the plan's, the rows that travel, the ranks' agreement and the host's dry run, which
-    # leaves the model and optimizer as they were.
+    # leaves the model and optimizer as they were (none where the trial kept one process, rank 0's eager step).
     host = out["host"][planner]
-    assert host["unchanged"] and host["dry_s"] > 0 and host["agree_s"] > 0, host
+    assert host["unchanged"] and (host["dry_s"] == 0 if host["eager"] else host["dry_s"] > 0), host
+    assert host["agree_s"] > 0, host
     assert (host["feed_s"] > 0) == (host["pieces"] > 0), host
     parts = host["placed_s"] + host["feed_s"] + host["joins_s"] + host["agree_s"] + host["dry_s"]
     assert host["simulated_s"] == pytest.approx(parts), host
