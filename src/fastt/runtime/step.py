@@ -307,21 +307,25 @@ class EagerStep(ParallelStep):
               spans: list | None = None) -> torch.Tensor:
         if self.meter is not None:
             return super()._step(batch, timings, tuning, spans)
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params]
         t0 = time.perf_counter()
-        try:
-            loss = eager_step(self.model, self.loss_fn, self.optimizer, batch, self.clip_grad_norm,
-                              self.autocast)
-        finally:
-            for p, g in zip(params, grads):
-                p.grad = g
+        loss = self.eager(batch)
         seconds = time.perf_counter() - t0
         if timings is not None:  # `profiled`: the one device was busy for the whole step
             timings.append((EAGER, 0, seconds))
         if spans is not None:
             spans.append((EAGER, 0, t0, t0 + seconds))
         return loss
+
+    def eager(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The user's eager step on `batch` (`reference.eager_step`), `.grad` put back as it was."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params]
+        try:
+            return eager_step(self.model, self.loss_fn, self.optimizer, batch, self.clip_grad_norm,
+                              self.autocast)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
 
     def host_seconds(self, runs: int = 5) -> float:
         """Nothing: the eager step has no work outside its device (the host is that device)."""

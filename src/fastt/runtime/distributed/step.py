@@ -26,9 +26,8 @@ from ...strategy import Strategy
 from ..local import replica_envs, replica_tables, weighted_loss
 from ..oom import oom_message, out_of_memory
 from ..programs import Placed, place
-from ..reference import eager_step
 from ..shards import Feed, Piece, plan_feed
-from ..step import PlacedStep
+from ..step import EagerStep, PlacedStep
 from ..tune import Tuner
 from .executor import Buffers, RankRun
 from .faults import DEFAULT_TIMEOUT_S, LostPeer, RankError, alone_on_rank0, lost, record_failure, wait_done
@@ -370,17 +369,23 @@ class EagerRankStep(DistributedStep):
     stale (as under the runtime's one-device plan; a switch to another plan hands them rank 0's). The
     simulated step is the plan's and its rows', with no host work outside them."""
 
+    eager = EagerStep.eager  # the user's eager step, `.grad` put back as it was
+
     def __init__(self, *args: object, loss_fn: Callable, clip_grad_norm: float | None,
                  autocast: torch.dtype | None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.loss_fn, self.clip_grad_norm, self.autocast = loss_fn, clip_grad_norm, autocast
         self._alone: tuple = (None, False)  # (a placed plan, whether it runs on rank 0 alone)
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+    def _on_rank0(self) -> bool:
+        """Whether the running plan is one device, rank 0's (not after a `switch` to another)."""
         placed = self.placed
         if self._alone[0] is not placed:
             self._alone = (placed, set(placed.strategy.placement.values()) == {0})
-        if not self._alone[1]:  # `switch`ed to another plan: the runtime runs it
+        return self._alone[1]
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
+        if not self._on_rank0():  # `switch`ed to another plan: the runtime runs it
             return super().__call__(*batch)
         self.whole_state()
         self._left()  # before the forward: rank 0's guard reads it (inside a trial, another plan's rows)
@@ -388,25 +393,16 @@ class EagerRankStep(DistributedStep):
         if self.world > 1 and not (batch and batch[0].shape[0] == low.step.batch * low.replicas):
             with torch.no_grad(), self._failing():
                 batch = self._fed(batch)[0][0]  # rank 0 holds every input of the one replica (it checks it)
-        loss = None
-        if self.rank == 0:
-            params = list(self.model.parameters())
-            grads = [p.grad for p in params]
-            try:
-                with self._failing():
-                    loss = eager_step(self.model, self.loss_fn, self.optimizer, batch, self.clip_grad_norm,
-                                      self.autocast)
-            finally:
-                for p, g in zip(params, grads):
-                    p.grad = g
-        else:
+        if self.rank != 0:
             stepped(self.optimizer)
-        return loss
+            return None
+        with self._failing():
+            return self.eager(batch)
 
     def host_seconds(self, runs: int = 5) -> float:
         """Nothing for rank 0's eager step, which has no work outside its device's (another plan's, switched
         to, as `DistributedStep`'s)."""
-        return 0.0 if self._alone[1] or self._alone[0] is None else super().host_seconds(runs)
+        return 0.0 if self._on_rank0() else super().host_seconds(runs)
 
 
 def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
