@@ -32,7 +32,8 @@ from fastt.plan.common import strategy_from
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.osdpos import split_critical_path
 from fastt.plan.portfolio import OPTIONAL
-from fastt.runtime import StepError, parallelize
+from fastt.report import format_run
+from fastt.runtime import StepError, bench, parallelize, reference
 from fastt.runtime.meter import StorageMeter
 from fastt.runtime.oom import FailAllocation
 from fastt.runtime.reference import eager_reference_step
@@ -492,8 +493,6 @@ def random_topological_rank(g, rng: random.Random) -> list[int]:
 def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
     """`fastt run`'s planners train side by side, BLOCK steps of each in turn, each from its own copy of the
     workload, and each still equal to eager (a slow moment of the machine falls on all)."""
-    from fastt.runtime import bench
-
     taken, seconds = [], []
 
     def timed(fn, *args):
@@ -519,3 +518,39 @@ def test_run_planners_takes_the_planners_steps_in_turn(monkeypatch):
     assert [r["planner"] for r in out["results"]] == ["dp", "single", "eager"]
     assert [r["counted_steps"] for r in out["results"]] == [[1]] * 3  # the JSON says which steps counted
     assert out["max_param_rel_diff"] < 1e-5
+
+
+class _Attends(torch.nn.Module):
+    """Attention without dropout (`dropout_p` 0: no draw), then dropout: the step draws through dropout only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out, self.drop = torch.nn.Linear(8, 24), torch.nn.Linear(8, 3), torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 4, 3, 2, 4).unbind(2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v).flatten(1)
+        return self.out(self.drop(y.view(x.shape[0], 4, 8).sum(1)))
+
+
+def test_a_step_that_draws_is_checked_where_the_plan_draws_as_eager():
+    """With dropout, `--check`'s reference draws what the step draws: a one-device plan (the runtime's, and
+    the eager step fastt keeps) equals eager bit for bit, masks included. Data parallelism draws its masks
+    per replica: its difference is reported apart with the reason, not as the check's result."""
+    def make():
+        torch.manual_seed(0)
+        model = _Attends()
+        x, y = torch.randn(8, 4, 8), torch.randint(0, 3, (8,))
+        return "attends", model, torch.nn.functional.cross_entropy, torch.optim.Adam(model.parameters()), (x, y)
+
+    gm = fastt.capture(*make()[1:]).fx.gm
+    assert reference.random_draws(gm) == ["aten.bernoulli.p"]  # attention without dropout does not draw
+    assert reference.not_compared(gm, 1, 1) == ""
+    out = bench.run_planners(make, "cpu:2", ["single", "dp"], 3, check=True, trial=False)
+    assert out["max_param_rel_diff"] == 0.0
+    apart = out["not_compared"]
+    assert list(apart) == ["dp"] and "aten.bernoulli.p" in apart["dp"]["why"]
+    assert apart["dp"]["max_param_rel_diff"] > 1e-3  # other masks: far more than rounding
+    text = format_run(out)
+    assert "largest relative parameter difference from eager: 0.00e+00" in text
+    assert "dp not compared with eager" in text and "set dropout to 0" in text

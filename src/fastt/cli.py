@@ -540,7 +540,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--check", action="store_true",
                    help="also take every step in plain one-device eager PyTorch from the same state and "
-                        "compare the parameters")
+                        "random generators and compare the parameters (a plan over several devices draws "
+                        "dropout's masks otherwise: its difference is shown apart, with why)")
     p.add_argument("--tune", action="store_true",
                    help="fastt starts data-parallel and tunes its plan in the first steps (FastT's loop)")
     p.add_argument("--launcher", default="local", choices=("local", "torchrun"),

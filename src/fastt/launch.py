@@ -160,7 +160,8 @@ def train(args: argparse.Namespace) -> dict | None:
             })
             continue
         results.append(_train_planner(args, planner, make, loader, cl))
-        worst = max(worst, results[-1].get("max_step_rel_diff", 0.0))
+        if not results[-1].get("not_compared"):  # else reported apart (`reference.not_compared`)
+            worst = max(worst, results[-1].get("max_step_rel_diff", 0.0))
         dist.barrier()
     if rank != 0:
         return None
@@ -171,7 +172,11 @@ def train(args: argparse.Namespace) -> dict | None:
             "gather": dict(zip(("latency_s", "s_per_byte", "s_per_tensor"), cl.gather or ())),
             "comm_s_per_byte": cl.devices[0].comm_s_per_byte,
             "steps": args.steps, "results": results,
-            "max_param_rel_diff": worst if args.check or args.check_steps else None, "clip_grad_norm": clip,
+            "max_param_rel_diff": worst if args.check or args.check_steps else None,
+            "not_compared": {r["planner"]: {"why": r["not_compared"],
+                                            "max_param_rel_diff": r["max_step_rel_diff"]}
+                             for r in results if r.get("not_compared")},
+            "clip_grad_norm": clip,
             "precision": args.precision}
 
 
@@ -180,7 +185,13 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     """`args.steps` steps of `planner`'s plan from make()'s start: this rank's result row (timed on every
     rank, checked against the eager step on rank 0)."""
     from .runtime.distributed import parallelize_distributed, rank_device
-    from .runtime.reference import eager_reference_step, max_param_rel_diff, take_state
+    from .runtime.reference import (
+        drawing_again,
+        eager_reference_step,
+        max_param_rel_diff,
+        not_compared,
+        take_state,
+    )
     from .runtime.trial import TRIAL_STEPS
 
     rank, clip, autocast = dist.get_rank(), args.clip_grad_norm, dtype_of(args.precision)
@@ -200,9 +211,10 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     times, step_diffs, tuned = [], [], 0
     for i, (shard, whole) in enumerate(batches(args.steps, inputs, loader, rank_device(), check)):
         replicas = step.strategy.replicas
-        if ref is not None:  # the reference takes this step from our state
+        if ref is not None:  # the reference takes this step from our state, drawing what the step will
             take_state(model, opt, ref[1], ref[3])
-            eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
+            with drawing_again():
+                eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
         dist.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         with _fault(rank, i):  # the others are in the step, waiting for this rank
@@ -224,6 +236,8 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
            "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
     if step_diffs:
         row["max_step_rel_diff"] = row["max_param_rel_diff"] = max(step_diffs)
+        row["not_compared"] = not_compared(step.graph.fx.gm, len(set(step.strategy.placement.values())),
+                                           step.strategy.replicas)
     return row
 
 
@@ -301,7 +315,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--check", action="store_true",
                    help="rank 0 also takes every step in plain one-device eager PyTorch from the same state "
-                        "and compares the parameters (per step: training amplifies rounding over the steps)")
+                        "and random generators and compares the parameters (per step: training amplifies "
+                        "rounding over the steps; a plan over several ranks draws dropout's masks otherwise: "
+                        "shown apart)")
     p.add_argument("--check-steps", action="store_true", help="the same as --check")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")

@@ -193,6 +193,11 @@ def format_run(out: dict) -> str:
         runs = len(tuned[0]["tuning"])
         lines.append(f"  {tuned[0]['planner']} tuned its plan in the first steps ({runs} plan(s) run); "
                      "its time is the median after tuning")
-    if out["max_param_rel_diff"] is not None:
+    apart = out.get("not_compared") or {}  # random draws not eager's (`reference.not_compared`)
+    compared = sum(r["planner"] != "eager" for r in out["results"]) > len(apart)
+    if out["max_param_rel_diff"] is not None and compared:
         lines.append(f"  largest relative parameter difference from eager: {out['max_param_rel_diff']:.2e}")
+    for planner, c in apart.items():
+        lines.append(f"  {planner} not compared with eager ({c['max_param_rel_diff']:.2e} after a step): "
+                     f"{c['why']}")
     return "\n".join(lines)

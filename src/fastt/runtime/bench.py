@@ -11,7 +11,15 @@ import torch
 
 from ..cluster import cluster, torch_device
 from ..precision import name_of
-from .reference import batch_like, eager_reference_step, eager_step, max_param_rel_diff, take_state
+from .reference import (
+    batch_like,
+    drawing_again,
+    eager_reference_step,
+    eager_step,
+    max_param_rel_diff,
+    not_compared,
+    take_state,
+)
 from .step import ParallelStep, parallelize
 from .trial import timed
 from .tune import Tuner
@@ -46,8 +54,11 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     parameter after a step is reported. On GPUs the model lives on the first device, and `eager` is plain
     PyTorch there. `clip_grad_norm`: every step clips the gradients' global norm
     (`torch.nn.utils.clip_grad_norm_`), eager's too. `autocast`: every step's forward runs under
-    `torch.autocast` in that dtype, eager's too. `trace(planner, index, spans, step)` is called with each
-    planner's last step's spans (`ParallelStep.profiled`; `fastt run --trace`).
+    `torch.autocast` in that dtype, eager's too. The reference draws the random numbers (dropout's) the
+    step then draws, from the same generator state; a plan over several devices or replicas draws them
+    otherwise (`reference.not_compared`): its difference is reported apart (`not_compared`: planner ->
+    its reason and difference), not in `max_param_rel_diff`. `trace(planner, index, spans, step)` is called
+    with each planner's last step's spans (`ParallelStep.profiled`; `fastt run --trace`).
     """
     home = torch_device(cluster(devices).devices[0])
     runs = [_Run(planner, _placed(make, home), steps, home) for planner in planners]
@@ -68,6 +79,8 @@ def run_planners(make: Callable[[], Workload], devices: str, planners: Sequence[
     return {"model": runs[0].workload[0], "devices": devices, "steps": steps,
             "results": [run.result() for run in runs],
             "max_param_rel_diff": max(run.worst for run in runs) if check else None,
+            **({"not_compared": {run.planner: {"why": run.why, "max_param_rel_diff": run.loose}
+                                 for run in runs if run.why}} if check else {}),
             "clip_grad_norm": clip_grad_norm, "precision": name_of(autocast)}
 
 
@@ -80,6 +93,7 @@ class _Run:
         self.batches = [tuple(x.to(home) for x in batch_like(workload[4], i)) for i in range(steps)]
         self.times: list[float] = []
         self.tuned, self.worst = 0, 0.0
+        self.why, self.loose = "", 0.0  # why the last step not compared with eager was not, the largest such
         self.busy: list = []
         self.reducing: list = []
         self.step: ParallelStep | None = None
@@ -107,8 +121,11 @@ class _Run:
             self.times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
             return
         replicas = step.strategy.replicas
-        if self.ref is not None:
+        if self.ref is not None:  # the reference takes this step from our state, drawing what the step will
             take_state(model, opt, self.ref[1], self.ref[3])
+            with drawing_again():
+                eager_reference(self.ref, b, replicas, step.threads_per_device, clip_grad_norm, autocast)
+            why = not_compared(step.graph.fx.gm, len(set(step.strategy.placement.values())), replicas)
         if k == len(self.batches) - 1 and not (self.tuner is not None and self.tuner.active):
             spans: list = []
             seconds, self.busy, self.reducing = timed_busy(step, b, spans)
@@ -119,8 +136,11 @@ class _Run:
             self.times.append(timed(step, *b))
         self.tuned += self.tuner is not None and self.tuner.active
         if self.ref is not None:
-            diff = eager_diff(self.ref, b, replicas, step.threads_per_device, model, clip_grad_norm, autocast)
-            self.worst = max(self.worst, diff)
+            diff = max_param_rel_diff(self.ref[1], model)
+            if why:
+                self.why, self.loose = why, max(self.loose, diff)
+            else:
+                self.worst = max(self.worst, diff)
 
     def result(self) -> dict:
         """The planner's row: its measured median after the first step (after tuning, with a tuner), beside
@@ -164,13 +184,11 @@ def timed_busy(step: ParallelStep, batch: Sequence[torch.Tensor],
     return seconds, *out
 
 
-def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,
-               trained: torch.nn.Module, clip_grad_norm: float | None = None,
-               autocast: torch.dtype | None = None) -> float:
-    """The plain one-device eager step of `ref` (which took the state `trained` started this step from) on
-    `batch`, with `threads` threads (the worker devices' kernels); the largest relative difference from
-    `trained` after its step. Batch statistics are per replica under data parallelism
-    (`eager_reference_step`)."""
+def eager_reference(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, threads: int,
+                    clip_grad_norm: float | None = None, autocast: torch.dtype | None = None) -> None:
+    """The plain one-device eager step of `ref` (which took the state the checked step starts from) on
+    `batch`, with `threads` threads (the worker devices' kernels). Batch statistics are per replica under
+    data parallelism (`eager_reference_step`)."""
     _, model, loss_fn, opt, _ = ref
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -178,4 +196,3 @@ def eager_diff(ref: Workload, batch: Sequence[torch.Tensor], replicas: int, thre
         eager_reference_step(model, loss_fn, opt, batch, replicas, clip_grad_norm, autocast)
     finally:
         torch.set_num_threads(old)
-    return max_param_rel_diff(model, trained)

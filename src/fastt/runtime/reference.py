@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 
@@ -97,6 +98,47 @@ def take_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ref_mod
     included): a check per step, since training amplifies rounding (a sum in another order) over the steps."""
     ref_model.load_state_dict(model.state_dict())
     ref_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+def random_draws(gm: torch.fx.GraphModule) -> list[str]:
+    """The aten ops of a captured step that draw random numbers (dropout's `bernoulli`, `rand`, attention with
+    a dropout probability), each named once, in the step's order."""
+    found: dict[str, None] = {}
+    for n in gm.graph.nodes:
+        tags = getattr(n.target, "tags", ())
+        if n.op == "call_function" and torch.Tag.nondeterministic_seeded in tags and _draws(n):
+            found[str(n.target)] = None
+    return list(found)
+
+
+def _draws(n: torch.fx.Node) -> bool:
+    """Whether a seeded op draws: attention does only with a dropout probability (its `dropout_p`)."""
+    names = [a.name for a in n.target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    k = names.index("dropout_p")
+    p = n.args[k] if k < len(n.args) else n.kwargs.get("dropout_p", 0.0)
+    return not isinstance(p, (int, float)) or p > 0
+
+
+def drawing_again() -> contextlib.AbstractContextManager:
+    """A body whose random draws leave no trace: the generators (the CPU's, and every GPU's in use) are put
+    back after it as they were, so what follows draws the same numbers (the step a reference step checks)."""
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=gpus)
+
+
+def not_compared(gm: torch.fx.GraphModule, devices: int, replicas: int) -> str:
+    """Why the eager step cannot check a plan's steps exactly, '' where it can: a plan over several devices
+    or replicas of a step that draws random numbers draws them otherwise than eager, which draws them for the
+    whole batch in order (on one device the plan and the reference draw alike from the same generator
+    state)."""
+    draws = random_draws(gm) if devices > 1 or replicas > 1 else []
+    if not draws:
+        return ""
+    return (f"its {max(devices, replicas)} {'devices' if devices > 1 else 'replicas'} draw the step's random "
+            f"numbers ({', '.join(draws)}) otherwise than eager, which draws them for the whole batch in "
+            "order: parameters differ by more than rounding (set dropout to 0 to check the plan)")
 
 
 def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
