@@ -553,4 +553,4 @@ def test_a_step_that_draws_is_checked_where_the_plan_draws_as_eager():
     assert apart["dp"]["max_param_rel_diff"] > 1e-3  # other masks: far more than rounding
     text = format_run(out)
     assert "largest relative parameter difference from eager: 0.00e+00" in text
-    assert "dp not compared with eager" in text and "set dropout to 0" in text
+    assert "dp not compared with eager" in text and "with dropout and drop-path at 0" in text

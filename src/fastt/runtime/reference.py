@@ -138,7 +138,8 @@ def not_compared(gm: torch.fx.GraphModule, devices: int, replicas: int) -> str:
         return ""
     return (f"its {max(devices, replicas)} {'devices' if devices > 1 else 'replicas'} draw the step's random "
             f"numbers ({', '.join(draws)}) otherwise than eager, which draws them for the whole batch in "
-            "order: parameters differ by more than rounding (set dropout to 0 to check the plan)")
+            "order: parameters may differ by more than rounding (with dropout and drop-path at 0 the plan "
+            "is checked)")
 
 
 def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
