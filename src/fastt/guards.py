@@ -80,20 +80,22 @@ class Guards:
 def trace(fn: Callable, args: tuple, batch: Sequence[torch.Tensor]) -> fx.GraphModule:
     """`make_fx(fn, tracing_mode="fake")(*args)`, `args` holding the example `batch` (the same tensor
     objects). Where the step branches on the batch's values it takes the example's branch, and `gm.meta[KEY]`
-    holds the guards that `check` tests later batches with (see the module docstring)."""
+    holds the guards that `check` tests later batches with (see the module docstring). A real tensor the step
+    reads that is none of `args` (a loss module's class weights, a tensor the model keeps as a plain
+    attribute) is a constant of the graph, as torch.compile takes it."""
     leaves, spec = pytree.tree_flatten(args)
     ids = {id(x) for x in batch}
     positions = [k for k, x in enumerate(leaves) if id(x) in ids]  # make_fx makes a placeholder per leaf
     args = pytree.tree_unflatten(_distinct(leaves), spec)
     try:
-        return make_fx(fn, tracing_mode="fake")(*args)
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:  # the latter: no ShapeEnv
         if any(isinstance(x, FakeTensor) for x in leaves):
             where = _where(traceback.extract_tb(e.__traceback__))
             raise FasttError(f"the step branches on the batch's values at {where}: fastt takes the example "
                              "batch's branch, which needs real example inputs, not fake ones") from e
     with _real_values(leaves):
-        gm = make_fx(fn, tracing_mode="fake")(*args)
+        gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     gm.meta[KEY] = _guards(gm, positions, batch)
     for n in gm.graph.nodes:  # the real values were for the trace: a graph keeps shapes only
         for v in pytree.tree_leaves(n.meta.get("val")):

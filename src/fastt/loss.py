@@ -14,14 +14,17 @@ replicas of s_k * L_k is the whole batch's loss:
 times the ratio of the loss's constant factor at the whole batch to the replica's (`loss.sum() / x.shape[0]`
 divides by the batch: a sum at one batch size, a mean across them). `reduction_of` reads the kind from the
 captured graph: the op that reduces the loss to a scalar (mean, sum, a loss op's `reduction`, nll_loss's count
-of counted targets), through constant factors, divisions by a count computed from the batch alone, and terms
-that do not depend on the batch (a weight penalty). Anything else is `unknown`, and data parallelism refuses
-it rather than train with another loss. Batch statistics (batch norm per replica) are the one documented
-exception, as in DDP.
+of counted targets), through constant factors, divisions by a count computed from the batch alone, terms
+that do not depend on the batch (a weight penalty), and sums of reductions of one kind (a loss and an
+auxiliary mean; label smoothing's two means over the targets cross-entropy counts, told alike by what they
+count), whose terms' constant factors must scale alike from the whole batch to a share. Anything else is
+`unknown`, and data parallelism refuses it rather than train with another loss. Batch statistics (batch norm
+per replica) are the one documented exception, as in DDP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -53,6 +56,15 @@ class Reduction:
     items: int = 0
     count: Callable[..., torch.Tensor] | None = None
     why: str = ""
+    # a sum of reductions of one kind: each term's (factor, items), which the whole batch's and a share's must
+    # scale alike; for a ratio, what its count counts (`_Walk.counted`), which every term's must be
+    terms: tuple[tuple[float, int], ...] = ()
+    counts: object = None
+
+    def scaled(self, c: float) -> Reduction:
+        """This reduction times the constant c."""
+        return dataclasses.replace(self, factor=self.factor * c,
+                                   terms=tuple((f * c, items) for f, items in self.terms))
 
 
 @dataclass(frozen=True)
@@ -106,11 +118,16 @@ def replica_weights(whole: Reduction | None, share: Reduction | None, n: int) ->
                              "parallelism could train with another loss: reduce the loss with a mean, a sum "
                              "or a masked mean over the batch, or use a plan without replicas (planner "
                              "single or dpos)")
-    if whole.kind != share.kind or whole.kind != RATIO and whole.items != n * share.items:
+    pairs = list(zip(whole.terms or [(whole.factor, whole.items)],
+                     share.terms or [(share.factor, share.items)]))
+    scale = pairs[0][0][0] / pairs[0][1][0]
+    if (whole.kind != share.kind or len(whole.terms) != len(share.terms)
+            or whole.kind != RATIO and any(w[1] != n * s[1] for w, s in pairs)
+            or any(not math.isclose(w[0] / s[0], scale) for w, s in pairs)):
         raise FasttError(f"loss_fn reduces the whole batch as {whole.why} but a 1/{n} share as {share.why}: "
                          "data parallelism would change the loss; use a plan without replicas (planner "
                          "single or dpos)")
-    return ReplicaWeights(whole.kind, whole.factor / share.factor, share.count)
+    return ReplicaWeights(whole.kind, scale, share.count)
 
 
 def _numel(node: fx.Node) -> int:
@@ -212,24 +229,22 @@ class _Walk:
         """A constant times (or over) a reduction; a sum over a count of the batch alone is a ratio."""
         a, b = (list(n.args) + [None])[:2]
         if n.target is aten.neg.default:
-            r = self.reduce(a)
-            return Reduction(r.kind, -r.factor, r.items, r.count, r.why)
+            return self.reduce(a).scaled(-1.0)
         divide = n.target in (aten.div.Tensor, aten.div.Scalar)
         for x, y in ((a, b), (b, a)) if not divide else ((a, b),):
             c = self.const(y)
             if c is not None or isinstance(y, fx.Node) and not self.depends[y]:
                 if c is None:
                     return Reduction(UNKNOWN, why="the loss is scaled by a tensor constant")
-                r = self.reduce(x)
-                f = r.factor / c if divide else r.factor * c
                 if not c:
                     return Reduction(UNKNOWN, why="scaled by 0")
-                return Reduction(r.kind, f, r.items, r.count, r.why)
+                return self.reduce(x).scaled(1 / c if divide else c)
         if divide and isinstance(b, fx.Node) and self.depends[b] == {"batch"}:
             r = self.reduce(a)
-            if r.kind == SUM:
+            if r.kind == SUM and not r.terms:
                 count = self.count_fn([b], lambda c: c.sum())
-                return Reduction(RATIO, r.factor, count=count, why=f"{r.why} over a count of the batch")
+                return Reduction(RATIO, r.factor, count=count, why=f"{r.why} over a count of the batch",
+                                 counts=self.counted(b))
         why = f"the loss is a {n.target.__name__} of two values that depend on the batch"
         return Reduction(UNKNOWN, why=why)
 
@@ -244,10 +259,33 @@ class _Walk:
             if r.kind in (MEAN, RATIO) and math.isclose(r.factor, 1.0):
                 return r
             return Reduction(UNKNOWN, why=f"{r.why} plus a term that does not depend on the batch")
-        ra, rb = (self.reduce(x) for x in terms)
-        if ra.kind == rb.kind and ra.kind in (MEAN, SUM) and ra.factor == rb.factor and ra.items == rb.items:
-            return Reduction(ra.kind, ra.factor, ra.items, why=f"{ra.why} twice")
+        alpha = n.kwargs.get("alpha", 1) * (-1 if n.target is aten.sub.Tensor else 1)
+        ra, rb = self.reduce(a), self.reduce(b).scaled(alpha)
+        # Two reductions of one kind (a loss and an auxiliary one; label smoothing's two terms, each a mean
+        # over the targets cross-entropy counts): the replicas' weights of one are the other's.
+        if ra.kind == rb.kind and ra.kind in (MEAN, SUM, RATIO) and (ra.kind != RATIO or ra.counts is not None
+                                                                    and ra.counts == rb.counts):
+            terms = (*(ra.terms or [(ra.factor, ra.items)]), *(rb.terms or [(rb.factor, rb.items)]))
+            return Reduction(ra.kind, ra.factor + rb.factor, ra.items + rb.items, ra.count,
+                             f"{ra.why} plus {rb.why}", terms, ra.counts)
         return Reduction(UNKNOWN, why=f"the loss adds {ra.why} and {rb.why}")
+
+    def counted(self, b: fx.Node) -> object:
+        """What count `b` counts, where two counts can be told alike: the targets not equal to a value (what
+        cross-entropy counts without class weights), else `b` itself."""
+        while b.target in _SAME or b.target is aten.sum.default and len(b.args) == 1:
+            b = b.args[0]
+        if b.target is aten.bitwise_not.default and getattr(b.args[0], "target", None) is aten.eq.Scalar:
+            return ("not equal", self.source(b.args[0].args[0]), b.args[0].args[1])
+        if b.target is aten.ne.Scalar:
+            return ("not equal", self.source(b.args[0]), b.args[1])
+        return b
+
+    def source(self, x: object) -> object:
+        """`x` before the copies and views that leave its values as they are."""
+        while isinstance(x, fx.Node) and x.target in _SAME:
+            x = x.args[0]
+        return x
 
     def nll(self, n: fx.Node) -> Reduction:
         """nll_loss (cross_entropy): a mean over the targets not equal to ignore_index, weighted by class."""
@@ -261,7 +299,8 @@ class _Walk:
             kept = t != ignore
             return kept.sum() if w is None else torch.where(kept, w[t.clamp(min=0)], 0).sum()
         return Reduction(RATIO, count=self.count_fn([target, weight], counted),
-                         why="nll_loss's mean over the targets it counts")
+                         why="nll_loss's mean over the targets it counts",
+                         counts=("not equal", self.source(target), ignore) if weight is None else n)
 
 
 def reduction_of(gm: fx.GraphModule, roles: Sequence[tuple[str, str]]) -> Reduction:
