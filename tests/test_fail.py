@@ -388,3 +388,19 @@ def test_garbage_in_a_strategy_file_is_a_fastt_error(tiny: tuple, data: st.DataO
     except FasttError:
         pass
 
+
+
+def test_fastts_warnings_are_one_line_each_once(capsys: pytest.CaptureFixture) -> None:
+    """What fastt did otherwise than the user's code asked (activation checkpoints traced as plain calls) is one
+    line on stderr, once however often it is said (every capture says it); on a rank but the first, nothing."""
+    import warnings
+
+    from fastt.errors import FasttWarning, one_line_warnings
+
+    with one_line_warnings():
+        for _ in range(2):
+            warnings.warn("traced as plain calls", FasttWarning, stacklevel=1)
+    assert capsys.readouterr().err == "fastt: warning: traced as plain calls\n"
+    with one_line_warnings(show=False):
+        warnings.warn("traced as plain calls", FasttWarning, stacklevel=1)
+    assert capsys.readouterr().err == ""

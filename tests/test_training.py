@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fastt import zoo
 from fastt.capture import fused_kernels
-from fastt.errors import FasttError
+from fastt.errors import FasttError, FasttWarning
 from fastt.runtime import parallelize
 from fastt.runtime.reference import (
     batch_like,
@@ -194,6 +195,47 @@ def test_a_loss_dp_cannot_split_is_refused() -> None:
     scaled = lambda out, y: out.sum() + out.square().sum() / out.shape[0]
     with pytest.raises(FasttError, match="data parallelism would change the loss"):
         parallelize(model, scaled, torch.optim.SGD(model.parameters(), lr=0.1), tagger_batches(0), "cpu:2", "dp")
+
+
+class Checkpointed(nn.Module):
+    """Blocks under activation checkpoints, one not reentrant and one reentrant (torch's two kinds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: F.gelu(self.a(t)), x, use_reentrant=False)
+        return self.c(checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True))
+
+
+@pytest.mark.parametrize("planner", ["single", "dp"])
+def test_activation_checkpoints_train_as_eager(planner: str) -> None:
+    """torch.func's gradients refuse checkpoints' saved-tensor hooks: fastt traces them as plain calls (the
+    same values and gradients), says so once, and trains as the eager step that recomputes them."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model = Checkpointed()
+        return (model, F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                (torch.randn(8, 8), torch.randint(0, 3, (8,))))
+    with pytest.warns(FasttWarning, match=r"activation checkpoints \(torch.utils.checkpoint, 2 call"):
+        diff, ours, theirs = train_both(make, planner, steps=4)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert diff <= 1e-5
+
+
+def test_a_transformers_model_with_gradient_checkpointing_trains_as_eager() -> None:
+    """transformers' `gradient_checkpointing_enable` (reentrant checkpoints, and a hook that makes the
+    embeddings' output require grad, which torch.func refuses): the zoo's Llama trains as eager under DP."""
+    def make() -> tuple:
+        w = zoo.get("llama", "test", dropout=False)
+        next(m for m in w.model.modules() if hasattr(m, "gradient_checkpointing_enable")
+             ).gradient_checkpointing_enable()
+        return w.model, w.loss_fn, w.optimizer, w.example_inputs
+    with pytest.warns(FasttWarning, match="activation checkpoints"):
+        diff, ours, theirs = train_both(make, "dp", steps=3)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert diff <= 2e-5
 
 
 @pytest.mark.parametrize("planner", ["single", "dp", "fastt"])

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from math import inf
 
 import torch
+import torch.utils.checkpoint as ckpt
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch.func import functional_call, functionalize
 from torch.fx import GraphModule
 
 from . import guards, precision
-from .errors import FasttError
+from .errors import FasttError, FasttWarning
 from .loss import Reduction, reduction_of
 
 # Per optimizer class: the state keys it keeps per parameter, in the order the graph takes them.
@@ -439,6 +440,48 @@ def _portable_kernels():
 
 
 @contextlib.contextmanager
+def _plain_checkpoints() -> Iterator[list]:
+    """Activation checkpoints (`torch.utils.checkpoint`, reentrant or not: what transformers'
+    `gradient_checkpointing_enable` and `checkpoint_sequential` call) traced as plain calls of their function.
+    torch.func's gradients refuse the saved-tensor hooks a checkpoint recomputes through; a plain call
+    computes the same values and gradients, and draws the same random numbers (a checkpoint replays the
+    generators' state when it recomputes). The step then keeps the activations the checkpoint would have
+    recomputed in the backward, and the memory model counts them. `requires_grad_(True)` on a tensor of the
+    trace (transformers' `enable_input_require_grads`, which reentrant checkpoints need in eager) does
+    nothing: the step's gradients are the parameters', through every op. Yields the checkpointed functions
+    called."""
+    called: list = []
+
+    def without_hooks(function: Callable, *_: object, **__: object) -> Iterator[None]:
+        called.append(function)
+        yield
+
+    class Plain:
+        @staticmethod
+        def apply(function: Callable, _preserve: bool, *args: object) -> object:
+            called.append(function)
+            return function(*args)
+
+    def requires_grad_(t: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+        try:
+            return differentiable(t, requires_grad)
+        except RuntimeError as e:  # the gradient is of the parameters, through every op: nothing to turn on
+            if requires_grad and "functorch transform" in str(e):
+                return t
+            raise
+
+    saved = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    differentiable = torch.Tensor.requires_grad_
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = without_hooks, Plain
+    torch.Tensor.requires_grad_ = requires_grad_
+    try:
+        yield called
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = saved
+        torch.Tensor.requires_grad_ = differentiable
+
+
+@contextlib.contextmanager
 def fused_kernels(enabled: bool) -> Iterator[None]:
     """`torch.backends.mkldnn.flags(enabled=...)` and cuDNN's, quietly: on a build without Intel GPU support
     the mkldnn flags warn, on entry and on exit, that "TF32 acceleration on top of oneDNN is available for
@@ -525,9 +568,14 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     was_training = model.training
     model.train()
     try:
-        with _portable_kernels():
+        with _portable_kernels(), _plain_checkpoints() as checkpointed:
             gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
                               example_inputs)
+        if checkpointed:
+            warnings.warn(f"the model's activation checkpoints (torch.utils.checkpoint, {len(checkpointed)} "
+                          "call(s) a step) are traced as plain calls: the plan keeps their activations for "
+                          "the backward instead of recomputing them, and fastt's memory model counts them "
+                          "(the same values and gradients)", FasttWarning, stacklevel=2)
     except FasttError:
         raise
     except Exception as e:

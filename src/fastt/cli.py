@@ -19,7 +19,7 @@ from . import api, netns
 from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, check_bf16, measure_step
-from .errors import FasttError, Interrupted
+from .errors import FasttError, Interrupted, one_line_warnings
 from .graph import OpGraph, replica_of
 from .launch import fault_spec, positive_float, positive_int, precision_option, training_options
 from .layers import where
@@ -587,6 +587,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The `fastt` command: a FasttError is one line on stderr and exit code 2, an interrupt one line
     and 128 + the signal (130 for Ctrl-C); FASTT_DEBUG=1 shows their tracebacks instead."""
     debug = os.environ.get("FASTT_DEBUG") == "1"
+    with one_line_warnings():
+        return _main(argv, debug)
+
+
+def _main(argv: Sequence[str] | None, debug: bool) -> int:
     try:
         args = parser().parse_args(argv)
         previous = signal.signal(signal.SIGTERM, _terminated)  # as a job scheduler stops a job: like Ctrl-C

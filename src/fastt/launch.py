@@ -40,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import FasttError
+from .errors import FasttError, one_line_warnings
 from .precision import NAMES, dtype_of
 from .strategy import Strategy
 
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     stop_heartbeat = start_heartbeat()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-        out = train(args)
+        with one_line_warnings(show=rank == 0):  # every rank captures alike: rank 0 says it once
+            out = train(args)
     except (RankError, FasttError, Exception) as e:  # noqa: BLE001 - every failure ends the job, named
         lost = isinstance(e, RuntimeError) and ("gloo" in str(e) or "NCCL" in str(e))  # a barrier lost a peer
         msg = (str(e) if isinstance(e, RankError)
