@@ -106,6 +106,10 @@ GROUPED = {
                                        {"params": ps[2:], "weight_decay": 1e-3}], lr=0.01, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW([{"params": ps[:2], "lr": 3e-3}, {"params": ps[2:], "weight_decay": 0.1}],
                                           lr=1e-3),
+    "adagrad": lambda ps: torch.optim.Adagrad([{"params": ps[:2], "lr_decay": 0.1}, {"params": ps[2:], "lr": 0.03}],
+                                              lr=0.01, weight_decay=1e-3),
+    "rmsprop": lambda ps: torch.optim.RMSprop([{"params": ps[:2], "momentum": 0.9, "centered": True},
+                                               {"params": ps[2:], "alpha": 0.9}], lr=1e-3),
 }
 
 
@@ -114,7 +118,9 @@ GROUPED = {
 # another order (the replicas' mean against one device's sum) flips, moving it by 2 lr.
 @pytest.mark.parametrize("name,optimizer,planner", [("mlp", "sgd", "dp"), ("lenet", "sgd", "fastt"),
                                                     ("transformer", "sgd", "dp"), ("transformer", "adamw", "single"),
-                                                    ("lenet", "adamw", "dpos")])
+                                                    ("lenet", "adamw", "dpos"), ("mlp", "adagrad", "dp"),
+                                                    ("mlp", "adagrad", "single"), ("mlp", "rmsprop", "zero"),
+                                                    ("mlp", "rmsprop", "single")])
 def test_a_schedule_over_param_groups(name: str, optimizer: str, planner: str) -> None:
     """Param groups with their own learning rates, momentum and weight decay, stepped by one scheduler."""
     def make() -> tuple:

@@ -38,6 +38,10 @@ _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
                                  + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
     torch.optim.AdamW: lambda g: (("step", "exp_avg", "exp_avg_sq")
                                   + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
+    torch.optim.Adagrad: lambda g: ("step", "sum"),
+    torch.optim.RMSprop: lambda g: (("step", "square_avg")
+                                    + (("momentum_buffer",) if g["momentum"] > 0 else ())
+                                    + (("grad_avg",) if g["centered"] else ())),
 }
 
 
@@ -46,7 +50,8 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...
 
 
 def _new_state(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.Tensor:
-    """The state tensor torch.optim creates on the first step (zeros; Adam's step counter 0.0)."""
+    """The state tensor torch.optim creates on the first step (zeros; Adam's step counter 0.0; Adagrad makes
+    its own when constructed)."""
     if key == "step":
         return torch.zeros((), dtype=torch.float32, device=p.device)
     return torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -67,6 +72,11 @@ _HYPER_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
     + (("weight_decay",) if g["weight_decay"] != 0 else ()),
     torch.optim.Adam: lambda g: _adam_keys(g, False),
     torch.optim.AdamW: lambda g: _adam_keys(g, True),
+    torch.optim.Adagrad: lambda g: (("lr", "lr_decay", "eps")
+                                    + (("weight_decay",) if g["weight_decay"] != 0 else ())),
+    torch.optim.RMSprop: lambda g: (("-lr", "alpha", "1-alpha", "eps")
+                                    + (("momentum",) if g["momentum"] > 0 else ())
+                                    + (("weight_decay",) if g["weight_decay"] != 0 else ())),
 }
 _HYPER_VALUES: dict[str, Callable[[Callable[[str], float]], float]] = {
     "lr": lambda v: v("lr"), "-lr": lambda v: -v("lr"), "momentum": lambda v: v("momentum"),
@@ -74,6 +84,7 @@ _HYPER_VALUES: dict[str, Callable[[Callable[[str], float]], float]] = {
     "beta1": lambda v: v("beta1"), "beta2": lambda v: v("beta2"),
     "1-beta1": lambda v: 1 - v("beta1"), "1-beta2": lambda v: 1 - v("beta2"),
     "1-lr*weight_decay": lambda v: 1 - v("lr") * v("weight_decay"),
+    "lr_decay": lambda v: v("lr_decay"), "alpha": lambda v: v("alpha"), "1-alpha": lambda v: 1 - v("alpha"),
 }
 
 
@@ -133,6 +144,9 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
                 g = g.add(buf * hyper["momentum"]) if group["nesterov"] else buf
             p.add_(g * hyper["-lr"])
             continue
+        if isinstance(optimizer, (torch.optim.Adagrad, torch.optim.RMSprop)):
+            _adagrad_or_rmsprop(optimizer, group, hyper, p, g, st)
+            continue
         step, exp_avg, exp_avg_sq = st[0], st[1], st[2]
         step.add_(1)
         if "1-lr*weight_decay" in hyper:
@@ -153,6 +167,33 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper["eps"])
         # addcdiv computes self + value * t1 / t2, left to right: keep that order.
         p.add_(exp_avg.mul(-step_size).div(denom))
+
+
+def _adagrad_or_rmsprop(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor],
+                        p: torch.Tensor, g: torch.Tensor, st: list) -> None:
+    """Adagrad's or RMSprop's update of one parameter, op for op as torch.optim's single-tensor path (see
+    `_update`; `addcdiv_(t1, t2, value=v)` computes `(v * t1) / t2`, `addcmul_` likewise `(v * t1) * t2`)."""
+    st[0].add_(1)
+    if "weight_decay" in hyper:
+        g = g.add(p * hyper["weight_decay"])
+    if isinstance(optimizer, torch.optim.Adagrad):
+        # eager's Python float lr / (1 + (step - 1) * lr_decay), in float64 from the step counter
+        clr = ((st[0].to(torch.float64) - 1) * hyper["lr_decay"] + 1).reciprocal() * hyper["lr"]
+        std = st[1].addcmul_(g, g).sqrt().add_(hyper["eps"])
+        p.add_(g.mul(-clr.to(p.dtype)).div(std))
+        return
+    square_avg = st[1].mul_(hyper["alpha"]).addcmul_(g * hyper["1-alpha"], g)
+    if group["centered"]:
+        grad_avg = st[-1].lerp_(g, hyper["1-alpha"])
+        avg = square_avg.addcmul(grad_avg.neg(), grad_avg).sqrt_()
+    else:
+        avg = square_avg.sqrt()
+    avg = avg.add_(hyper["eps"])
+    if "momentum" in hyper:
+        buf = st[2].mul_(hyper["momentum"]).add_(g.div(avg))
+        p.add_(buf * hyper["-lr"])
+    else:
+        p.add_(g.mul(hyper["-lr"]).div(avg))
 
 
 _aten = torch.ops.aten

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import api, netns
+from . import api, netns, zoo
 from .capture import check_clip, fused_kernels
 from .cluster import Cluster, cluster, cpu_threads
 from .cost import MeasuredCosts, calibrate_cpu, check_bf16, measure_step
@@ -497,7 +497,7 @@ def _common(p: argparse.ArgumentParser, cluster_default: str | None = None) -> N
                    help="zoo model size (default paper)")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="batch size (default: the size's; a file model's function gets it as its `batch`)")
-    p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"),
+    p.add_argument("--optimizer", default=None, choices=zoo.OPTIMIZERS,
                    help="default sgd (a file model's function gets it as its `optimizer`)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     precision_option(p)
@@ -560,7 +560,7 @@ def parser() -> argparse.ArgumentParser:
     training_options(p)
     p.add_argument("--size", default="test", choices=("test", "paper"))
     p.add_argument("--batch", type=positive_int, default=None)
-    p.add_argument("--optimizer", default=None, choices=("sgd", "adam", "adamw"), help="default sgd")
+    p.add_argument("--optimizer", default=None, choices=zoo.OPTIMIZERS, help="default sgd")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("demo", help="the main job on built-in defaults")

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .errors import FasttError, one_line_warnings
 from .precision import NAMES, dtype_of
 from .strategy import Strategy
+from .zoo import OPTIMIZERS
 
 
 def _use_gpu() -> None:
@@ -310,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
                    help="cpu: a CPU device per rank over gloo; cuda: GPU LOCAL_RANK per rank over NCCL")
     p.add_argument("--size", default="test", choices=["test", "paper"])
     p.add_argument("--batch", type=positive_int, default=None)
-    p.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw"], help="default sgd")
+    p.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help="default sgd")
     p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--check", action="store_true",

@@ -29,7 +29,7 @@ NAMES: tuple[str, ...] = ("lenet", "alexnet", "vgg19", "inception_v3", "resnet50
 VARIANTS: dict[str, str] = {"bert-large-seq64": "bert-large", "gpt2-medium": "gpt2", "gpt2-large": "gpt2"}
 DISTINCT: tuple[str, ...] = tuple(n for n in NAMES if n not in VARIANTS)  # one name per test-size computation
 SIZES: tuple[str, ...] = ("test", "paper")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 
 Builder = Callable[[str, int, bool], vision.Built]
 
@@ -91,6 +91,10 @@ def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(params, lr=1e-3)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.01)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3)
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
