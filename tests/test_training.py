@@ -244,6 +244,31 @@ def test_a_transformers_model_with_gradient_checkpointing_trains_as_eager() -> N
     assert diff <= 2e-5
 
 
+@pytest.mark.parametrize("planner", ["single", "dp"])
+def test_modules_the_user_put_in_eval_mode_stay_there_and_train_as_eager(planner: str) -> None:
+    """Fine-tuning loops freeze batch norm's statistics and turn dropout off with `module.eval()` inside a
+    model in training mode: the step is traced in the modes the user set (before, capture forced every module
+    into training mode and left them there: batch statistics and dropout, far from eager), and a mode changed
+    after the capture is refused by name."""
+    def make() -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(),
+                              nn.Linear(4 * 6 * 6, 3))
+        model[1].eval()
+        model[3].eval()
+        return (model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                (torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))))
+    diff, ours, theirs = train_both(make, planner, steps=4)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert diff <= 1e-5
+    model, loss_fn, opt, inputs = make()
+    step = parallelize(model, loss_fn, opt, inputs, "cpu:2", planner)
+    assert [m.training for m in model] == [True, False, True, False, True, True]
+    model[3].train()
+    with pytest.raises(FasttError, match=r"the modules in eval mode changed \('1', '3' -> '1'\)"):
+        step(*inputs)
+
+
 @pytest.mark.parametrize("planner", ["single", "dp", "fastt"])
 def test_frozen_layers_stay_and_the_rest_trains_as_eager(planner: str) -> None:
     def make() -> tuple:

@@ -383,12 +383,29 @@ def _structure(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequen
         "the trainable parameters": _Tensors(p for p in model.parameters() if p.requires_grad),
         "the number of param groups": len(optimizer.param_groups),
         "the batch's shapes and dtypes": tuple((tuple(t.shape), t.dtype) for t in batch),
+        "the modules in eval mode": _Evaluating(model),
     }
     for i, g in enumerate(optimizer.param_groups):
         out[f"param group {i}'s parameters"] = _Tensors(g["params"])
         out[f"param group {i}'s nonzero hyperparameters"] = _of_class(_HYPER_KEYS, optimizer)(g)
         out.update({f"param group {i}'s {f}": g[f] for f in _FLAGS if f in g})
     return out
+
+
+class _Evaluating(tuple):
+    """Whether each module is in eval mode (`module.training` False: batch norm's running statistics, dropout
+    off), which the step is traced with, as the user's own step runs them; shown by the names of those that
+    are."""
+
+    def __new__(cls, model: nn.Module):
+        self = super().__new__(cls, (not m.training for m in model.modules()))
+        self.model = model
+        return self
+
+    def __str__(self) -> str:
+        named = zip(self.model.named_modules(), self)
+        names = [f"'{name}'" if name else "the model" for (name, _), off in named if off]
+        return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" if names else "none"
 
 
 class _Tensors(tuple):
@@ -606,8 +623,6 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         hypers = [torch.tensor(v, dtype=torch.float64) for v in hyper_values(optimizer, keys)]
         weight = torch.ones((), dtype=torch.float64)
     fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm, autocast)
-    was_training = model.training
-    model.train()
     try:
         with _portable_kernels(), _plain_checkpoints() as checkpointed:
             gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
@@ -624,8 +639,6 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         raise FasttError(f"could not trace the training step ({type(e).__name__}: {msg}); fastt needs a "
                          "model that fake tensors trace (its Python may branch on the batch's values "
                          "only)") from e
-    finally:
-        model.train(was_training)
     gm.graph.eliminate_dead_code()
     _read_inputs_not_their_clones(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -75,9 +75,11 @@ def eager_dp_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.op
 
 
 def batch_statistics(model: torch.nn.Module) -> bool:
-    """Whether the model normalises by batch statistics in training (batch norm): the one thing data
-    parallelism computes differently from one device (per replica, as DDP does)."""
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    """Whether the model normalises by batch statistics (batch norm in training mode, or without running
+    statistics): the one thing data parallelism computes differently from one device (per replica, as DDP
+    does)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+               for m in model.modules())
 
 
 def eager_reference_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
