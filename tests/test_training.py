@@ -162,6 +162,11 @@ LOSSES: dict[str, Callable] = {
     # the class weights are a buffer of the loss module, a tensor of no model: a constant of the step
     "class_weights": nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 1.5, 0.8])),
     "class_weights_fn": lambda out, y: LOSSES["class_weights"](out.reshape(-1, 5), y.reshape(-1)),
+    # two sums over one count of the batch (a masked mean of two per-token losses)
+    "two_sums_over_a_count": lambda out, y: ((F.cross_entropy(out.reshape(-1, 5), y.reshape(-1).clamp(min=0),
+                                                              reduction="none") * (y.reshape(-1) >= 0)).sum()
+                                             + 0.1 * (out.square().sum(-1).reshape(-1) * (y.reshape(-1) >= 0)).sum()
+                                             ) / (y >= 0).sum(),
     # two means over different items, weighted
     "two_means": lambda out, y: 0.7 * F.cross_entropy(out.reshape(-1, 5), y.reshape(-1).clamp(min=0),
                                                       reduction="none").mean() + 0.3 * out.square().mean(),

@@ -241,10 +241,10 @@ class _Walk:
                 return self.reduce(x).scaled(1 / c if divide else c)
         if divide and isinstance(b, fx.Node) and self.depends[b] == {"batch"}:
             r = self.reduce(a)
-            if r.kind == SUM and not r.terms:
+            if r.kind == SUM:
                 count = self.count_fn([b], lambda c: c.sum())
                 return Reduction(RATIO, r.factor, count=count, why=f"{r.why} over a count of the batch",
-                                 counts=self.counted(b))
+                                 terms=r.terms, counts=self.counted(b))
         why = f"the loss is a {n.target.__name__} of two values that depend on the batch"
         return Reduction(UNKNOWN, why=why)
 
