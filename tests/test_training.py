@@ -325,8 +325,9 @@ def test_changes_the_step_cannot_follow_are_refused_by_name() -> None:
 
 def test_unsupported_optimizer_is_refused_with_the_list() -> None:
     model, loss_fn, _, inputs = mlp()
-    with pytest.raises(FasttError, match="unsupported optimizer RMSprop: fastt captures SGD, Adam, AdamW"):
-        parallelize(model, loss_fn, torch.optim.RMSprop(model.parameters()), inputs, "cpu:2", "single")
+    with pytest.raises(FasttError, match="unsupported optimizer Adamax: fastt captures SGD, Adam, AdamW, Adagrad, "
+                                         "RMSprop"):
+        parallelize(model, loss_fn, torch.optim.Adamax(model.parameters()), inputs, "cpu:2", "single")
 
 
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
