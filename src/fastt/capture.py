@@ -507,7 +507,7 @@ def _plain_checkpoints() -> Iterator[list]:
     recomputed in the backward, and the memory model counts them. `requires_grad_(True)` on a tensor of the
     trace (transformers' `enable_input_require_grads`, which reentrant checkpoints need in eager) does
     nothing: the step's gradients are the parameters', through every op. Yields the checkpointed functions
-    called."""
+    called (a trace made twice, `guards.trace`, calls them twice)."""
     called: list = []
 
     def without_hooks(function: Callable, *_: object, **__: object) -> Iterator[None]:
@@ -628,10 +628,10 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
             gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
                               example_inputs)
         if checkpointed:
-            warnings.warn(f"the model's activation checkpoints (torch.utils.checkpoint, {len(checkpointed)} "
-                          "call(s) a step) are traced as plain calls: the plan keeps their activations for "
-                          "the backward instead of recomputing them, and fastt's memory model counts them "
-                          "(the same values and gradients)", FasttWarning, stacklevel=2)
+            warnings.warn("the model's activation checkpoints (torch.utils.checkpoint) are traced as plain "
+                          "calls: the plan keeps their activations for the backward instead of recomputing "
+                          "them, and fastt's memory model counts them (the same values and gradients)",
+                          FasttWarning, stacklevel=2)
     except FasttError:
         raise
     except Exception as e:

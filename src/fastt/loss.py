@@ -120,10 +120,10 @@ def replica_weights(whole: Reduction | None, share: Reduction | None, n: int) ->
                              "single or dpos)")
     pairs = list(zip(whole.terms or [(whole.factor, whole.items)],
                      share.terms or [(share.factor, share.items)]))
-    scale = pairs[0][0][0] / pairs[0][1][0]
+    scale = next((w[0] / s[0] for w, s in pairs if s[0]), 1.0)
     if (whole.kind != share.kind or len(whole.terms) != len(share.terms)
             or whole.kind != RATIO and any(w[1] != n * s[1] for w, s in pairs)
-            or any(not math.isclose(w[0] / s[0], scale) for w, s in pairs)):
+            or any(not math.isclose(w[0], scale * s[0]) for w, s in pairs)):
         raise FasttError(f"loss_fn reduces the whole batch as {whole.why} but a 1/{n} share as {share.why}: "
                          "data parallelism would change the loss; use a plan without replicas (planner "
                          "single or dpos)")
