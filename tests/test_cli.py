@@ -208,7 +208,7 @@ def test_demo_compares_planners(tmp_path: Path) -> None:
     assert all(row[-2] == "yes" for row in rows)
     assert mixed.startswith("Mixed plans, where DP's gradients cross the nodes:\ncluster 2x2xV100-nvlink")
     planned = {line.split()[1]: float(line.split()[3]) for line in mixed.splitlines() if line.startswith("lenet ")}
-    assert set(planned) == {"fastt", "dp", "os-dpos", "search", "owt", "pipeline", "zero"}
+    assert set(planned) == {"fastt", "dp", "os-dpos", "search", "owt", "pipeline", "zero", "one-node"}
     assert "lenet/table-wise: no plan" in mixed
     assert planned["fastt"] <= min(planned.values())
     dp = rows[1]

@@ -14,9 +14,11 @@ from fastt.errors import FasttError
 from fastt.graph import PARAM
 from fastt.layers import layers
 from fastt.plan import graph_for
+from fastt.plan.basic import one_node
 from fastt.plan.mixed import owt, pipeline, table_wise
 from fastt.runtime import parallelize
 from fastt.runtime.reference import eager_reference_step
+from fastt.simulate import inter_node_bytes
 
 
 def graph_of(name: str, size: str = "test"):
@@ -65,6 +67,39 @@ def test_table_wise_puts_each_embedding_table_on_one_device() -> None:
     assert all(len(h) == 4 for n, h in held.items() if n not in names)
     with pytest.raises(FasttError, match="table-wise: the model has no embedding tables"):
         table_wise(graph_of("vgg19"), cluster("4xV100"))
+
+
+def test_one_node_runs_every_shard_on_one_node_and_says_where_it_does_not_apply() -> None:
+    """Data parallelism on one node: the n shards of the step at batch/n, n/m a device of the node one after the
+    other; nothing crosses the nodes."""
+    g = graph_of("transformer")
+    cl = cluster("2x4xA100@25Gbps")
+    s = one_node(g, cl)
+    assert s.replicas == 8 and set(s.placement.values()) == {0, 1, 2, 3}
+    assert all(hs == (0, 1, 2, 3) for hs in s.holders.values())
+    for d, names in enumerate(s.order[:4]):  # shards 2d and 2d+1, the first's ops before the second's
+        shards = [int(n.split("/")[0][1:]) for n in names if "update" not in n]
+        assert shards == sorted(shards) and set(shards) == {2 * d, 2 * d + 1}
+    tl = simulate(g, s, cl)
+    assert tl.fits and inter_node_bytes(tl, cl) == 0
+    for spec, why in (("4xV100", "the cluster is one node"), ("4x1xV100@10Gbps", "that is `single`")):
+        with pytest.raises(FasttError, match=f"one-node: .*{why}"):
+            one_node(g, cluster(spec))
+
+
+@pytest.mark.usefixtures("one_thread_per_device")
+def test_one_node_trains_as_eager() -> None:
+    """A plan for 2x2xV100-pcie (two shards on each of node 0's devices) runs on four CPU devices: 3 SGD
+    steps equal the plain eager step."""
+    ref, ours = pair("mlp")
+    g = capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
+    s = one_node(g, cluster("2x2xV100-pcie"))
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:4", strategy=s)
+    for i in range(3):
+        batch = fresh_batch(ref, i)
+        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, s.replicas)
+        step(*batch)
+    assert_same(ref, ours)
 
 
 @pytest.mark.parametrize(("name", "make"), [("mlp", owt), ("lenet", owt), ("mlp", pipeline),

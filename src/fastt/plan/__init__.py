@@ -11,7 +11,7 @@ from ..graph import OpGraph
 from ..split import graph_for  # noqa: F401 - where it lived before split.py; tests import it from here
 from ..strategy import Strategy
 from .baechi import m_etf, m_sct, m_topo
-from .basic import data_parallel, single_device, zero
+from .basic import data_parallel, one_node, single_device, zero
 from .dpos import dpos
 from .heft import heft
 from .megatron import megatron
@@ -28,6 +28,7 @@ PLANNERS: dict[str, Planner] = {
     "single": single_device,
     "dp": data_parallel,
     "zero": zero,
+    "one-node": one_node,
     "dpos": dpos,
     "m-topo": m_topo,
     "m-etf": m_etf,

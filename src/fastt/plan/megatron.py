@@ -55,9 +55,10 @@ from ..split import (
     view_dim,
 )
 from ..strategy import Split, Strategy
+from .basic import node_devices
 from .common import plan_costs, strategy_from
 from .dpos import schedule
-from .mixed import node_devices, ordered
+from .mixed import ordered
 
 MATMULS = ("aten.addmm.default", "aten.mm.default")
 LARGE_SHARE = 16  # `held_in_parts` cuts weights of at least 1/LARGE_SHARE of the model's parameters

@@ -44,6 +44,7 @@ from ..graph import (
 from ..layers import Layers, layers
 from ..split import graph_for
 from ..strategy import Strategy
+from .basic import node_devices
 from .common import plan_costs, strategy_from
 from .schedule import ByRank, RingAllreduce, Schedule, edge_bytes, list_schedule, upward_rank
 
@@ -239,12 +240,6 @@ def table_wise(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None 
         raise FasttError("table-wise: the model has no embedding tables")
     size = [sum(graph.ops[p].out_bytes for p in layer.params) for layer in found.layers]
     return _held_once(graph, cluster, found, tables, size, "table-wise", measured)
-
-
-def node_devices(cluster: Cluster) -> list[tuple[int, ...]]:
-    """The devices of each node, nodes in order."""
-    return [tuple(i for i, d in enumerate(cluster.devices) if d.node == j)
-            for j in sorted({d.node for d in cluster.devices})]
 
 
 def _stage_groups(cluster: Cluster) -> list[tuple[int, ...]]:

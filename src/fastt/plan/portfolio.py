@@ -14,13 +14,14 @@ from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
 from ..shard import shardable
 from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
-from .basic import data_parallel, zero
+from .basic import data_parallel, node_devices, one_node, zero
 from .megatron import held_in_parts, megatron
-from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, node_devices, pipeline
+from .mixed import EXPERTS, MICRO_BATCHES, _stages_per_group, pipeline
 from .osdpos import _first_seeds, _judge, _scheduled_seeds, ranked, split_critical_path
 from .search import spread_plans
 
-OPTIONAL = (*EXPERTS, "megatron", "search", "zero")  # planners that raise FasttError where they do not apply
+# planners that raise FasttError where they do not apply
+OPTIONAL = (*EXPERTS, "megatron", "search", "zero", "one-node")
 ACCUMULATE = (2, 4, 8)  # micro-batches a device of data parallelism tried where memory binds
 FINER = (4, 8, 16)  # micro-batches a device of the pipelines tried where no plan fits after those
 # the whole plan's default budget, the capture at batch/n included (issue 16: planning within 10 s)
@@ -126,6 +127,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     zeroed = pool.binds()  # else DP's plan with its updates sharded comes last
     if zeroed:
         pool.make(zero)
+    if _one_node_may_win(seeds, cluster):  # made whatever the budget, as DP is: see its docstring
+        pool.make(one_node)
     # the spread search first: its plans have beaten the experts' wherever a slow link binds (bert-large,
     # gnmt on 2x4xA100@25Gbps), and a plan of it costs a list schedule and a judgement of the replicated step;
     # its descents and ILP get a quarter of what is left less a judgement, at least SEARCH_MIN_S: the
@@ -226,6 +229,19 @@ def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
     return replace(s, chained=(*s.chained, *names),
                    placement={k: d for k, d in s.placement.items() if k in g.index},
                    order=tuple(tuple(n for n in o if n in g.index) for o in s.order))
+
+
+def _one_node_may_win(seeds: dict, cluster: Cluster) -> bool:
+    """Whether data parallelism on one node (`one_node`) may beat the plans so far: the cluster has several
+    nodes of several devices, and one device's step over a node's devices (the most a node's data parallelism
+    can gain) is below the best plan so far, DP's among them. Then the links between nodes cost DP more than
+    the other nodes' compute gains it (gnmt on 2x4xA100@25Gbps: one device 457.6 ms, DP 412.8; one node's DP
+    308.8, against the search's 307.4, whose plan of 5-7 s the budget does not reach there)."""
+    nodes = node_devices(cluster)
+    m = max(map(len, nodes))
+    if len(nodes) < 2 or m < 2 or "single" not in seeds:
+        return False
+    return seeds["single"][0][1] / m < min(judged[1] for judged, _, _ in seeds.values())
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:

@@ -46,7 +46,8 @@ from ..graph import ALLREDUCE, PARAM, RESIDENT, UPDATE, OpGraph, rebatch, replic
 from ..layers import Layers, layers
 from ..split import graph_for
 from ..strategy import Strategy
-from .mixed import Spread, mixed_strategy, node_devices
+from .basic import node_devices
+from .mixed import Spread, mixed_strategy
 from .osdpos import _judge
 
 TIE = 1e-3  # weight of the total work beside the makespan: of two plans as fast, the one that does less
