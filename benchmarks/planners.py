@@ -36,7 +36,8 @@ COMM_BOUND = ("8xA100-pcie", "2x4xV100", "2x4xV100-pcie", "2x4xA100@25Gbps", "4x
 NVLINK = ("4xV100", "8xV100", "8xA100")
 MODELS = ("lenet", "mlp", "alexnet", "vgg19", "inception_v3", "resnet50", "transformer", "bert-base", "bert-large",
           "gpt2", "gnmt", "dlrm")
-PLANNERS_SHOWN = ("fastt", "dp", "os-dpos", "search", "owt", "table-wise", "pipeline", "megatron", "zero")
+PLANNERS_SHOWN = ("fastt", "dp", "os-dpos", "search", "owt", "table-wise", "pipeline", "megatron", "zero",
+                  "one-node")
 TOYS = ("lenet", "mlp")  # left out of the means: tiny steps where launch and allreduce latency are all there is
 
 
@@ -164,8 +165,10 @@ def render(rows: list[dict], summary: dict, cmd: str) -> str:
     left_out = [m for m in MODELS if m not in {m for m, _ in cases}]
     notes = f"""## Reading the table
 
-- `fastt` is the fastest simulated of the expert plans that apply (`owt`, `table-wise`, `pipeline`), the spread
-  search's (`search`: a spread per layer, every device, a node's devices or one device, chosen on a linear cost
+- `fastt` is the fastest simulated of the expert plans that apply (`owt`, `table-wise`, `pipeline`), data
+  parallelism on one node (`one-node`: made where the compute a node's devices each run, n/m shards of the
+  step at batch/n, is below DP's time: the link between nodes costs DP more than the other nodes gain it),
+  the spread search's (`search`: a spread per layer, every device, a node's devices or one device, chosen on a linear cost
   model by local search and an ILP that HiGHS solves; docs/design.md, "The search") and OS-DPOS's (FastT's
   algorithm, `os-dpos`). A column is "-" where an expert plan does not apply (no embedding tables, one node...).
 - Whose plan fastt kept, over the cases ("+sharded": that plan with its replicated updates sharded;

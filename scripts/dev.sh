@@ -20,6 +20,6 @@ case "$cmd" in
     # the suite already makes (more models, more ranks, more schedules): 26 minutes on 2 cores (1542 s, a fresh clone).
     # test-all: those too (2333 s here, quiet). Either runs each benchmark at its small size.
     marks=(); [ "$cmd" = test ] && marks=(-m "not slow")
-    exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 ${marks[@]+"${marks[@]}"} "$@" ;;
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=60 ${marks[@]+"${marks[@]}"} "$@" ;;
   *) echo "usage: scripts/dev.sh demo|test|test-all [args...]" >&2; exit 2 ;;
 esac

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..cluster import Cluster
-from ..cost import MeasuredCosts
+from ..cost import MeasuredCosts, op_times
 from ..errors import FasttError
-from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, replicable
+from ..graph import UPDATE, OpGraph, base_name, data_parallel_graph, rebatch, replicable
 from ..shard import shardable
 from ..split import chain_all, chain_links, graph_for
 from ..strategy import Strategy
@@ -100,7 +100,8 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
 
     `budget_s` bounds the whole plan, the step at batch/n that every data-parallel and mixed plan reads
     included (derived from the capture, `fastt.rebatch`, or captured again). In that time, in this order: data
-    parallelism and one device, always made (`zero` too where DP does not fit); the spread search's plans,
+    parallelism and one device, always made (`zero` too where DP does not fit); data parallelism on one node
+    where it may win (`_one_node_may_win`), made whatever the budget; the spread search's plans,
     each while the budget covers it (its descents and ILP with a quarter of the budget left, SEARCH_MIN_S to
     SEARCH_S); the experts (`TRIED_FIRST`) and Megatron on one node, each while the budget left covers another
     plan; OS-DPOS's other starting plans (DPOS and the list schedulers, cheapest first, while the budget
@@ -127,7 +128,7 @@ def best_plan(graph: OpGraph, cluster: Cluster, budget_s: float = PLAN_S,
     zeroed = pool.binds()  # else DP's plan with its updates sharded comes last
     if zeroed:
         pool.make(zero)
-    if _one_node_may_win(seeds, cluster):  # made whatever the budget, as DP is: see its docstring
+    if _one_node_may_win(graph, cluster, measured, judged[1]):  # made whatever the budget, as DP is
         pool.make(one_node)
     # the spread search first: its plans have beaten the experts' wherever a slow link binds (bert-large,
     # gnmt on 2x4xA100@25Gbps), and a plan of it costs a list schedule and a judgement of the replicated step;
@@ -231,17 +232,24 @@ def with_chains(graph: OpGraph, s: Strategy) -> Strategy | None:
                    order=tuple(tuple(n for n in o if n in g.index) for o in s.order))
 
 
-def _one_node_may_win(seeds: dict, cluster: Cluster) -> bool:
-    """Whether data parallelism on one node (`one_node`) may beat the plans so far: the cluster has several
-    nodes of several devices, and one device's step over a node's devices (the most a node's data parallelism
-    can gain) is below the best plan so far, DP's among them. Then the links between nodes cost DP more than
-    the other nodes' compute gains it (gnmt on 2x4xA100@25Gbps: one device 457.6 ms, DP 412.8; one node's DP
-    308.8, against the search's 307.4, whose plan of 5-7 s the budget does not reach there)."""
+def _one_node_may_win(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts | None,
+                      best_s: float) -> bool:
+    """Whether data parallelism on one node (`one_node`) may beat the best plan so far (DP's among them): the
+    cluster has several nodes of several devices, and the compute that one node's devices each run, n/m
+    shards of the step at batch/n one after the other, is below `best_s`. Then the link between nodes costs DP
+    more than the other nodes' compute gains it (gnmt on 2x4xA100@25Gbps: DP 412.8 ms, one node's compute
+    about 300 and its plan 309.9; the search's plan, 307.4, takes 5-7 s more than the budget leaves there).
+    Where DP is compute-bound, the bound is far above DP's time (gnmt on 2x4xV100: DP 220.2 ms, one node
+    397.6), and the plan, a judgement of the replicated step, is not made."""
     nodes = node_devices(cluster)
-    m = max(map(len, nodes))
-    if len(nodes) < 2 or m < 2 or "single" not in seeds:
+    m, n = max(map(len, nodes)), len(cluster.devices)
+    if len(nodes) < 2 or m < 2 or n % m or not replicable(graph, n):
         return False
-    return seeds["single"][0][1] / m < min(judged[1] for judged, _, _ in seeds.values())
+    node = max(nodes, key=lambda ds: sum(cluster.devices[d].flops for d in ds))  # as `one_node` picks
+    shard = rebatch(graph, graph.batch // n)
+    t = op_times(shard, cluster, measured)[:, node[0]]
+    compute = sum(t[i] for i, op in enumerate(shard.ops) if op.kind != UPDATE)
+    return n // m * compute < best_s
 
 
 def _capture_time(graph: OpGraph, n: int) -> float:
