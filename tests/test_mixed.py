@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_capture import fresh_batch
 from test_runtime import assert_same, one_thread_per_device, pair  # noqa: F401 - fixture
 
@@ -203,3 +205,51 @@ def test_a_mixed_plan_refuses_shards_whose_step_has_other_ops() -> None:
     g, cl = graph_of("gpt2", "paper"), cluster("2x4xV100")
     with pytest.raises(FasttError, match="pipeline: the step at batch 1 has other ops than at 8"):
         pipeline(g, cl)
+
+
+@st.composite
+def random_steps(draw: st.DrawFn) -> tuple[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
+    """A small model of random layers (an embedding table in front or not; linear, ReLU, tanh, layer norm),
+    its batch (4, 8 or 12) and SGD with momentum or Adam."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    width = draw(st.sampled_from([4, 8]))
+    table = draw(st.booleans())
+    layers_: list[torch.nn.Module] = [torch.nn.Embedding(16, width), torch.nn.Flatten()] if table else []
+    d = 3 * width if table else 6
+    for kind in draw(st.lists(st.sampled_from(["linear", "relu", "tanh", "norm"]), min_size=1, max_size=5)):
+        if kind == "linear":
+            layers_.append(torch.nn.Linear(d, width))
+            d = width
+        else:
+            layers_.append({"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh}[kind]() if kind != "norm"
+                           else torch.nn.LayerNorm(d))
+    model = torch.nn.Sequential(*layers_, torch.nn.Linear(d, 3))
+    batch = draw(st.sampled_from([4, 8, 12]))
+    x = torch.randint(0, 16, (batch, 3)) if table else torch.randn(batch, 6)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if draw(st.booleans())
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return model, opt, (x, torch.randint(0, 3, (batch,)))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_steps(), st.sampled_from(["2xV100", "3xV100", "2x2xV100-pcie", "2x2xA100@10Gbps",
+                                        "4x1xV100@10Gbps"]))
+def test_every_planner_plans_random_steps_or_says_why_not(step, spec: str) -> None:
+    """Issue 16's check: random captured steps x every planner, the mixed ones included: each plan validates
+    and simulates, and fits or names the device it does not fit; a planner that cannot plan says why in one
+    line (a batch that does not split over 3 devices, no embedding table, one node)."""
+    from fastt.api import plan
+    from fastt.plan import PLANNERS
+
+    model, opt, inputs = step
+    g = capture(model, torch.nn.functional.cross_entropy, opt, inputs)
+    cl = cluster(spec)
+    for p in PLANNERS:
+        try:
+            s = plan(g, cl, p, budget_s=1.0 if p in ("fastt", "os-dpos") else None)
+        except FasttError as e:
+            assert "\n" not in str(e) and str(e), (p, str(e))
+            continue
+        s.validate(graph_for(g, s))
+        tl = simulate(g, s, cl)
+        assert tl.iteration_s > 0 and (tl.fits or tl.oom), (p, tl.oom)
