@@ -347,6 +347,14 @@ def test_megatron_on_two_nodes_over_gloo_trains_as_eager(tmp_path: Path) -> None
     assert r["replicas"] == 2 and r["splits"] > 0 and r["max_step_rel_diff"] <= 1e-5, r
 
 
+def test_one_node_over_two_nodes_of_gloo_ranks_trains_as_eager(tmp_path: Path) -> None:
+    """Two torchrun agents of 2 ranks each as two nodes: one-node runs the 4 shards on node 0's ranks, two each,
+    and node 1's ranks hold nothing and run nothing. Training equals eager."""
+    out = two_nodes(2, ("--model", "mlp", "--planners", "one-node", "--steps", "3", "--check"), tmp_path)
+    r = {r["planner"]: r for r in out["results"]}["one-node"]
+    assert r["replicas"] == 4 and r["max_param_rel_diff"] <= 1e-5, r
+
+
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=SLOW)])
 def test_random_plans_train_as_eager_with_collectives_of_every_shape(seed: int, tmp_path: Path) -> None:
     """mlp's step in 4 replicas, its ops on 2 ranks at random: a rank adds up several replicas' gradients before
@@ -397,25 +405,16 @@ def test_plans_over_nccl_train_as_eager(model: str, tmp_path: Path) -> None:
         assert diff <= 1e-5, (planner, r)
 
 
-# one launch a model for all its planners (a launch starts two interpreters and imports torch in each)
-SCHEDULED = {"mlp": "dp,fastt,zero", "transformer": "dp,fastt"}
-_scheduled: dict[str, tuple[int, str, dict]] = {}
-
-
 @pytest.mark.parametrize(("model", "planner"), [("mlp", "dp"), ("mlp", "fastt"), ("mlp", "zero"),
                                                 pytest.param("transformer", "dp", marks=SLOW),
                                                 pytest.param("transformer", "fastt", marks=SLOW)])
-def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner: str,
-                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner: str, tmp_path: Path) -> None:
     """Each rank its shard; StepLR, CosineAnnealingLR, OneCycleLR (which also cycles the momentum) and a LambdaLR
     warm-up, with the gradients clipped to a third of their first norm: 20 steps, every one the plain one-device
     eager step from the same state (rtol 1e-5), the same loss, and no scheduler warning."""
-    if model not in _scheduled:
-        path = tmp_path_factory.mktemp("scheduled") / "out.json"
-        r = torchrun_script("distributed_training.py", model, SCHEDULED[model], str(path))
-        _scheduled[model] = r.returncode, r.stderr, json.loads(path.read_text()) if r.returncode == 0 else {}
-    rc, err, out = _scheduled[model]
-    assert rc == 0, err[-3000:]
+    r = torchrun_script("distributed_training.py", model, planner, str(tmp_path / "out.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
     got = out[planner]
     assert sorted(got) == ["cosine", "onecycle", "step", "warmup"]
     for schedule, res in got.items():
