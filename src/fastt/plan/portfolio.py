@@ -237,15 +237,15 @@ def _one_node_may_win(graph: OpGraph, cluster: Cluster, measured: MeasuredCosts 
     """Whether data parallelism on one node (`one_node`) may beat the best plan so far (DP's among them): the
     cluster has several nodes of several devices, and the compute that one node's devices each run, n/m
     shards of the step at batch/n one after the other, is below `best_s`. Then the link between nodes costs DP
-    more than the other nodes' compute gains it (gnmt on 2x4xA100@25Gbps: DP 412.8 ms, one node's compute
+    more than the other nodes' compute gains it (gnmt on 2x4xA100@25Gbps: DP 413.3 ms, one node's compute
     about 300 and its plan 309.9; the search's plan, 307.4, takes 5-7 s more than the budget leaves there).
     Where DP is compute-bound, the bound is far above DP's time (gnmt on 2x4xV100: DP 220.2 ms, one node
     397.6), and the plan, a judgement of the replicated step, is not made."""
     nodes = node_devices(cluster)
-    m, n = max(map(len, nodes)), len(cluster.devices)
+    node = max(nodes, key=lambda ds: sum(cluster.devices[d].flops for d in ds))  # as `one_node` picks
+    m, n = len(node), len(cluster.devices)
     if len(nodes) < 2 or m < 2 or n % m or not replicable(graph, n):
         return False
-    node = max(nodes, key=lambda ds: sum(cluster.devices[d].flops for d in ds))  # as `one_node` picks
     shard = rebatch(graph, graph.batch // n)
     t = op_times(shard, cluster, measured)[:, node[0]]
     compute = sum(t[i] for i, op in enumerate(shard.ops) if op.kind != UPDATE)
