@@ -91,17 +91,8 @@ def test_one_node_runs_every_shard_on_one_node_and_says_where_it_does_not_apply(
 
 @pytest.mark.usefixtures("one_thread_per_device")
 def test_one_node_trains_as_eager() -> None:
-    """A plan for 2x2xV100-pcie (two shards on each of node 0's devices) runs on four CPU devices: 3 SGD
-    steps equal the plain eager step."""
-    ref, ours = pair("mlp")
-    g = capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
-    s = one_node(g, cluster("2x2xV100-pcie"))
-    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:4", strategy=s)
-    for i in range(3):
-        batch = fresh_batch(ref, i)
-        eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, s.replicas)
-        step(*batch)
-    assert_same(ref, ours)
+    """A plan for 2x2xV100-pcie (two shards on each of node 0's devices) runs on four CPU devices."""
+    trains_as_eager("mlp", one_node, "2x2xV100-pcie", "cpu:4")
 
 
 @pytest.mark.parametrize(("name", "make"), [("mlp", owt), ("lenet", owt), ("mlp", pipeline),
@@ -110,18 +101,18 @@ def test_expert_plans_train_as_eager(name: str, make) -> None:
     trains_as_eager(name, make)
 
 
-def trains_as_eager(name: str, make) -> None:
-    """3 SGD steps on cpu:2 under the plan `make(graph, cluster)` equal the plain one-device eager step (rtol
-    1e-5); the plan holds parameters on both devices. The transformer runs in float64: its micro-batches'
-    gradients sum in another order than eager's, which in float32 flips relu masks within an ulp of zero
-    (on an AVX2 CPU: 33 weights of linear1 off by 3e-4 of themselves after 3 steps)."""
+def trains_as_eager(name: str, make, spec: str = "cpu:2", devices: str = "cpu:2") -> None:
+    """3 SGD steps on `devices` under the plan `make(graph, cluster(spec))` equal the plain one-device eager
+    step (rtol 1e-5); the plan holds parameters on two devices. The transformer runs in float64: its
+    micro-batches' gradients sum in another order than eager's, which in float32 flips relu masks within an
+    ulp of zero (on an AVX2 CPU: 33 weights of linear1 off by 3e-4 of themselves after 3 steps)."""
     ref, ours = pair(name)
     if name == "transformer":
         ref.model.double(), ours.model.double()
     g = capture(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs)
-    s = make(g, cluster("cpu:2"))
+    s = make(g, cluster(spec))
     assert s is not None and len({d for p in g.of_kind(PARAM) for d in s.holders[g.ops[p].name]}) == 2
-    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, "cpu:2", strategy=s)
+    step = parallelize(ours.model, ours.loss_fn, ours.optimizer, ours.example_inputs, devices, strategy=s)
     for i in range(3):
         batch = fresh_batch(ref, i)
         eager_reference_step(ref.model, ref.loss_fn, ref.optimizer, batch, s.replicas)

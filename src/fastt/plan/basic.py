@@ -43,21 +43,28 @@ def one_node(graph: OpGraph, cluster: Cluster) -> Strategy:
     DDP does first (gnmt on 2x4xA100@25Gbps: data parallelism on 8 devices waits on its 25 Gbit/s link).
     FasttError on one node, on a node of one device (that is `single`), or where the node's devices do not
     divide the devices' count."""
-    nodes = node_devices(cluster)
-    n = len(cluster.devices)
-    if len(nodes) < 2:
-        raise FasttError("one-node: the cluster is one node (that is `dp`)")
-    node = max(nodes, key=lambda ds: sum(cluster.devices[d].flops for d in ds))  # the first of equals
-    m = len(node)
-    if m < 2 or n % m:
-        raise FasttError(f"one-node: node {cluster.devices[node[0]].node} has {m} of {n} devices: "
-                         + ("that is `single`" if m < 2 else "they do not share the shards equally"))
-    k = n // m
+    node, n = one_node_devices(cluster), len(cluster.devices)
+    k = n // len(node)
     g = data_parallel_graph(graph, n)
     device_of = [node[replica_of(op.name) // k] for op in g.ops]
     start = [replica_of(op.name) + n * (op.kind == UPDATE) for op in g.ops]  # as data_parallel's
     return strategy_from(g, "one-node", n, device_of, start=start, replicas=n,
                          holders={g.ops[j].name: node for j in g.residents})
+
+
+def one_node_devices(cluster: Cluster) -> tuple[int, ...]:
+    """The devices `one_node` trains on: those of the node with the most compute, the first of equals;
+    FasttError where it does not apply (one node, a node of one device, or devices it does not divide)."""
+    nodes = node_devices(cluster)
+    n = len(cluster.devices)
+    if len(nodes) < 2:
+        raise FasttError("one-node: the cluster is one node (that is `dp`)")
+    node = max(nodes, key=lambda ds: sum(cluster.devices[d].flops for d in ds))
+    m = len(node)
+    if m < 2 or n % m:
+        raise FasttError(f"one-node: node {cluster.devices[node[0]].node} has {m} of {n} devices: "
+                         + ("that is `single`" if m < 2 else "they do not share the shards equally"))
+    return node
 
 
 def node_devices(cluster: Cluster) -> list[tuple[int, ...]]:
