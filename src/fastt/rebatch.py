@@ -17,6 +17,7 @@ The runtimes run the step traced at that batch (`coarsen.capture_graph`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -45,10 +46,16 @@ def derive(step: Step, batch: int) -> Step | None:
     mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
     if mode is None or any("unbacked_bindings" in n.meta for n in nodes):
         return None
+    # an op that refuses a shape is an answer here, not an error: FakeTensorMode logs each one with its
+    # traceback at ERROR level, which the user would read as fastt failing
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    was, quiet.disabled = quiet.disabled, True
     try:
         graph = _derived_graph(step, nodes, batch, mode)
     except Exception:  # noqa: BLE001  Undecided, or a shape that an op refuses: the rules do not cover it
         return None
+    finally:
+        quiet.disabled = was
     gm = torch.fx._lazy_graph_module._LazyGraphModule(step.gm, graph)
     # how the loss reduces: its kind and the items it counts, which say whether replicas can compute it (its
     # constant factor, which the runtime's loss weights read, is the traced step's business)
