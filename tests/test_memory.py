@@ -12,7 +12,7 @@ import torch
 from fastt import zoo
 from fastt.cluster import Cluster, cluster, gpu_cluster
 from fastt.coarsen import capture_graph
-from fastt.graph import kept_parts
+from fastt.graph import UPDATE, kept_parts
 from fastt.plan.dpos import dpos_strategy
 from fastt.plan.named import plan
 from fastt.runtime import parallelize
@@ -43,6 +43,22 @@ def test_the_meter_counts_each_storage_once_on_the_thread_that_made_it() -> None
     for t in threads:
         t.join()
     assert meter.peak == [8000, 16000]
+    assert meter.live == [0, 0]
+
+
+def test_a_resident_read_where_it_is_not_held_counts_there_as_a_copy_until_dropped() -> None:
+    """A GPU would copy a parameter to a device that reads it without holding it: the meter counts it there
+    from `hold(given=True)` to `drop`, and a view of it made meanwhile is nothing new."""
+    weight = torch.ones(100, 10)  # made before the step: 4000 bytes
+    meter = StorageMeter(2)
+    meter.hold([1], weight, given=True)
+    with meter.on(1):
+        v = weight.t()  # a view of the copy
+        y = weight * 2  # 4000 bytes more
+    assert meter.live == [0, 8000]
+    meter.drop(1, weight)
+    assert meter.live == [0, 4000] and meter.peak == [0, 8000]
+    del v, y
     assert meter.live == [0, 0]
 
 
@@ -77,6 +93,17 @@ def _split_linears(w: zoo.Workload):
     return dataclasses.replace(dpos_strategy(g2, cluster("cpu:2")), splits=splits)
 
 
+def _updates_apart(w: zoo.Workload):
+    """The forward and backward on device 1, the updates on device 0, which holds every parameter and state:
+    device 1 reads each parameter as a copy, device 0 each gradient from device 1."""
+    g = capture_graph(w.model, w.loss_fn, w.optimizer, w.example_inputs)
+    s = plan(g, cluster("cpu:2"), "single")
+    kind = {op.name: op.kind for op in g.ops}
+    placement = {n: 0 if kind[n] == UPDATE else 1 for n in s.placement}
+    order = tuple(tuple(n for n in s.order[0] if placement[n] == d) for d in range(2))
+    return dataclasses.replace(s, n_devices=2, placement=placement, order=order)
+
+
 def test_a_max_pools_output_and_indices_are_two_storages_kept_by_their_own_readers() -> None:
     w = zoo.get("lenet", "test")
     g = capture_graph(w.model, w.loss_fn, w.optimizer, w.example_inputs)
@@ -106,6 +133,8 @@ CASES = [
     ("mlp", "split", _split_linears),
     # sharded updates: each device holds and makes only its rows of the state, keeps its rows of the mean
     ("mlp", "zero", None), ("transformer", "zero", None),
+    # parameters read where they are not held (a GPU holds a copy there), gradients handed to the updates
+    ("transformer", "apart", _updates_apart),
 ]
 
 

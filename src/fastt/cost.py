@@ -353,9 +353,11 @@ def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The mean of the replicas' tensors (`grads[k]`: replica k's), summed in replica order as eager DP
     does: how the local runtime averages gradients (`runtime.local`), kept here for `measure_means` to
     time."""
-    total = grads[0]
-    for other in grads[1:]:
-        total = torch._foreach_add(total, other)
+    if len(grads) == 1:
+        return list(grads[0])
+    total = torch._foreach_add(grads[0], grads[1])
+    for other in grads[2:]:  # in place: one running sum besides the replicas' own (the simulator's memory)
+        torch._foreach_add_(total, other)
     torch._foreach_div_(total, float(len(grads)))
     return list(total)
 

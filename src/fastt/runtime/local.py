@@ -87,10 +87,22 @@ class _Run:
         self.scattered: Counter[int] = Counter()  # reduce-scatter -> replicas that have their rows
         given = scattered(low)  # reduce-scatters whose replicas compute their own rows
         self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= given}
+        # Per device, the allreduces whose gradients all come from it and whose readers all run on it (the
+        # microbatches of a pipeline stage, one-node's shards): summed as soon as the last gradient is made,
+        # as gradient accumulation does, not held until an update reads the mean (the simulator's order).
+        on = {t.op: d for d, program in enumerate(low.programs) for t in program}
+        self.accumulate: list[list[int]] = [[] for _ in programs.devices]
+        for a in low.allreduces:
+            devices = {on.get(j) for j in (*low.graph.ops[a].inputs, *low.graph.succs[a])}
+            if a not in self.scatters and len(devices) == 1 and None not in devices:
+                self.accumulate[devices.pop()].append(a)
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
                                  for seg in segs for name in seg.reads)
+            self.readers: dict[tuple[int, str], set[int]] = {}  # (replica, value) -> devices that read it
+            for k, name, d in self.local:
+                self.readers.setdefault((k, name), set()).add(d)
             device_of = {t.op: d for d, program in enumerate(low.programs) for t in program}
             # gradient -> the devices its allreduce's readers run on
             self.group = {name: sorted({device_of[s] for s in low.graph.succs[a] if s in device_of})
@@ -98,8 +110,9 @@ class _Run:
 
     def release(self, k: int, read: Sequence[str], written: Sequence[str] = (), d: int = -1) -> None:
         """Replica k's segment on device d has read `read` and written `written`: drop the values nothing
-        reads any more, as eager frees an activation after its last use. With a meter, device d's copy of a
-        value (as a GPU would hold it) ends with d's last read of it."""
+        reads any more, as eager frees an activation after its last use. With a meter, what d wrote that other
+        devices read is theirs from now on, as a GPU sends it when the segment ends (the simulator's
+        `release`), and device d's copy of a value ends with d's last read of it."""
         if self.left is None:
             return
         env, left, kept = self.envs[k], self.left, self.programs.kept
@@ -109,6 +122,12 @@ class _Run:
                 if self.meter is not None and d >= 0:
                     self.local[k, name, d] -= 1
                     if not self.local[k, name, d] and isinstance(env.get(name), torch.Tensor):
+                        self.meter.drop(d, env[name])
+            for name in written if self.meter is not None and d >= 0 else ():
+                others = self.readers.get((k, name), set()) - {d}
+                if others and isinstance(env.get(name), torch.Tensor):
+                    self.meter.hold(sorted(others), env[name])
+                    if not self.local[k, name, d]:
                         self.meter.drop(d, env[name])
             for name in (*read, *written):
                 if left.get((k, name), 0) <= 0 and name not in kept:
@@ -362,10 +381,11 @@ class _Run:
         if start is not None:
             start.record(self.streams[d])
         t0 = time.perf_counter()
-        if self.meter is not None and seg.waits:  # a GPU would hold what it receives as its own copy
-            for name in seg.reads:
+        if self.meter is not None:  # a GPU would hold what it receives, and a resident it reads, as its copy
+            copies = self.meter.copies
+            for name in seg.reads if seg.waits or copies else ():
                 if isinstance(env.get(name), torch.Tensor):
-                    self.meter.hold([d], env[name])
+                    self.meter.hold([d], env[name], given=(name, d) in copies)
         try:
             if seg.fn is None:
                 for t in seg.tasks:
@@ -411,6 +431,17 @@ class _Run:
                 return
             if not ready or not self.run_segment(seg, d):
                 return
+            if self.accumulate[d] and not self.accumulated(d):
+                return
+
+    def accumulated(self, d: int) -> bool:
+        """Sum device d's own allreduces (`accumulate`) whose gradients are all made, in one batch."""
+        ops = self.low.graph.ops
+        with self.lock:
+            ready = [a for a in self.accumulate[d] if a not in self.claimed
+                     and all(self.events[j].is_set() for j in ops[a].inputs)]
+            self.claimed.update(ready)
+        return not ready or self.allreduce(ready, d)
 
 
 class Latch:
