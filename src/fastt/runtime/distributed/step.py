@@ -260,16 +260,19 @@ class DistributedStep(PlacedStep):
             lost_peer = isinstance(e, LostPeer)
             raise RankError(record_failure(f"rank {self.rank}: {why}", lost_peer=lost_peer)) from e
 
-    def _fed(self, shard: Sequence[torch.Tensor]) -> tuple[list[list[torch.Tensor | None]], list[float]]:
+    def _fed(self, shard: Sequence[torch.Tensor], traced: bool = True
+             ) -> tuple[list[list[torch.Tensor | None]], list[float]]:
         """Per replica, the inputs this rank holds (None where it holds none) from its shard and the rows the
         others send (`Feed`), and every replica's loss weight. A shard one rank refuses (its shape, a change
-        of the model or optimizer, a guard of a share it checks) is refused by every rank, nothing trained."""
+        of the model or optimizer, a guard of a share it checks) is refused by every rank, nothing trained.
+        `traced` False: the shares feed the user's own eager step, not the traced one, so only their shapes
+        are checked (the captured step's model, optimizer and guards do not bind it)."""
         low, feed, r = self.placed.lowered, self.feed, self.placed.lowered.replicas
         why = _bad_shard(feed, shard)
         if why:  # zeros of the right shape keep the exchange in step; every rank refuses below
             shard = [torch.zeros((feed.shard, *sample), dtype=dtype, device=self.buffers.device)
                      for sample, dtype in feed.leaves]
-        else:
+        elif traced:
             try:  # the shard's shape is right: only the model and optimizer are left to check
                 probe = [x[:1].expand(feed.share, *x.shape[1:]) for x in shard]
                 low.step.check(self.model, self.optimizer, probe)
@@ -277,7 +280,7 @@ class DistributedStep(PlacedStep):
                 why = str(e)
         shares = feed.shares(self.rank, shard, self._exchange(feed, shard))
         counts = [0.0] * r
-        for k in [k for k, c in enumerate(feed.checker) if c == self.rank and not why]:
+        for k in [k for k, c in enumerate(feed.checker) if c == self.rank and not why and traced]:
             try:
                 guards.check(low.step.gm, shares[k])
             except FasttError as e:
@@ -392,7 +395,7 @@ class EagerRankStep(DistributedStep):
         low = self.placed.lowered
         if self.world > 1 and not (batch and batch[0].shape[0] == low.step.batch * low.replicas):
             with torch.no_grad(), self._failing():
-                batch = self._fed(batch)[0][0]  # rank 0 holds every input of the one replica (it checks it)
+                batch = self._fed(batch, traced=False)[0][0]  # rank 0 holds every input of the replica
         if self.rank != 0:
             stepped(self.optimizer)
             return None
