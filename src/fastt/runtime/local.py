@@ -87,15 +87,10 @@ class _Run:
         self.scattered: Counter[int] = Counter()  # reduce-scatter -> replicas that have their rows
         given = scattered(low)  # reduce-scatters whose replicas compute their own rows
         self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= given}
-        # Per device, the allreduces whose gradients all come from it and whose readers all run on it (the
-        # microbatches of a pipeline stage, one-node's shards): summed as soon as the last gradient is made,
-        # as gradient accumulation does, not held until an update reads the mean (the simulator's order).
-        on = {t.op: d for d, program in enumerate(low.programs) for t in program}
-        self.accumulate: list[list[int]] = [[] for _ in programs.devices]
-        for a in low.allreduces:
-            devices = {on.get(j) for j in (*low.graph.ops[a].inputs, *low.graph.succs[a])}
-            if a not in self.scatters and len(devices) == 1 and None not in devices:
-                self.accumulate[devices.pop()].append(a)
+        # Per device, the allreduces whose gradients and readers are all on it (`Programs.accumulate`) still
+        # to sum: each as soon as its last gradient is made, as gradient accumulation does, not held until an
+        # update reads the mean (the simulator's order)
+        self.accumulate = [[a for a in ops if a not in self.scatters] for ops in programs.accumulate]
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
@@ -441,6 +436,7 @@ class _Run:
             ready = [a for a in self.accumulate[d] if a not in self.claimed
                      and all(self.events[j].is_set() for j in ops[a].inputs)]
             self.claimed.update(ready)
+            self.accumulate[d] = [a for a in self.accumulate[d] if a not in self.claimed]
         return not ready or self.allreduce(ready, d)
 
 

@@ -202,6 +202,9 @@ class Programs:
     # (replica, value) -> how many segments and allreduces read it; values the step's end reads are `kept`
     readers: dict[tuple[int, str], int] = field(default_factory=dict)
     kept: frozenset[str] = frozenset()
+    # per device, the allreduces whose gradients and readers are all on it (a pipeline stage's microbatches,
+    # one-node's shards): the local runtime sums each as soon as its last gradient is made
+    accumulate: tuple[tuple[int, ...], ...] = ()
 
     @property
     def cuda(self) -> bool:
@@ -270,9 +273,14 @@ def compile_programs(low: Lowered, targets: Sequence[str | torch.device] | None 
         (seg.replica, name) for segs in programs for seg in segs for name in seg.reads)
     readers.update((k, name) for names in low.allreduces.values() for name in names
                    for k in range(low.replicas))
+    accumulate: list[list[int]] = [[] for _ in low.programs]
+    for a in low.allreduces:
+        devices = {device_of.get(j) for j in (*low.graph.ops[a].inputs, *low.graph.succs[a])}
+        if len(devices) == 1 and None not in devices:
+            accumulate[devices.pop()].append(a)
     return Programs(tuple(programs), frozenset(signals), nodes, placeholders, outputs, targets,
                     _streams(targets) if targets[0].type == "cuda" else (), writeback, readers=dict(readers),
-                    kept=kept)
+                    kept=kept, accumulate=tuple(map(tuple, accumulate)))
 
 
 @dataclass(frozen=True)
