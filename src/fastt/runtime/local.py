@@ -90,7 +90,7 @@ class _Run:
         # Per device, the allreduces whose gradients and readers are all on it (`Programs.accumulate`) still
         # to sum: each as soon as its last gradient is made, as gradient accumulation does, not held until an
         # update reads the mean (the simulator's order)
-        self.accumulate = [[a for a in ops if a not in self.scatters] for ops in programs.accumulate]
+        self.accumulate = [list(ops) for ops in programs.accumulate]
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)
@@ -156,7 +156,6 @@ class _Run:
         whose gradients are all there already (one batch). A device never holds a claim on an allreduce while
         it waits for another one's gradients: no deadlock. Of a reduce-scatter, the replica computes its own
         rows (`scatter`)."""
-        ops_ = self.low.graph.ops
         for k, a in enumerate(ops):
             if a not in self.low.allreduces:
                 continue
@@ -167,9 +166,7 @@ class _Run:
             with self.lock:
                 if a in self.claimed:
                     continue
-                ready = [b for b in ops[k:k + chunk] if b in self.low.allreduces and b not in self.claimed
-                         and b not in self.scatters
-                         and all(self.events[j].is_set() for j in ops_[b].inputs)]
+                ready = self._made(ops[k:k + chunk])
                 batch = ready if a in ready else [a]
                 self.claimed.update(batch)
             if not self.allreduce(batch, d):
@@ -429,12 +426,17 @@ class _Run:
             if self.accumulate[d] and not self.accumulated(d):
                 return
 
+    def _made(self, candidates: Sequence[int]) -> list[int]:
+        """Of `candidates`, the allreduces (not reduce-scatters) no device has claimed whose gradients are all
+        made (under `lock`)."""
+        ops = self.low.graph.ops
+        return [a for a in candidates if a in self.low.allreduces and a not in self.claimed
+                and a not in self.scatters and all(self.events[j].is_set() for j in ops[a].inputs)]
+
     def accumulated(self, d: int) -> bool:
         """Sum device d's own allreduces (`accumulate`) whose gradients are all made, in one batch."""
-        ops = self.low.graph.ops
         with self.lock:
-            ready = [a for a in self.accumulate[d] if a not in self.claimed
-                     and all(self.events[j].is_set() for j in ops[a].inputs)]
+            ready = self._made(self.accumulate[d])
             self.claimed.update(ready)
             self.accumulate[d] = [a for a in self.accumulate[d] if a not in self.claimed]
         return not ready or self.allreduce(ready, d)
