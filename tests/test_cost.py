@@ -249,6 +249,33 @@ def test_calibrate_cpu() -> None:
     assert calibrate_cpu(cluster("cpu:1")).gather is None
 
 
+def test_the_means_are_timed_on_device_0_beside_the_others_copying() -> None:
+    """`measure_means` on several devices runs on device 0's cores while the others' cores copy memory (what a
+    device's backward does beside a mean); an error in the timed work reaches the caller, the copies stop."""
+    import os
+    import threading
+
+    from fastt.cluster import CORES
+    from fastt.cost import beside_copies
+
+    seen: list = []
+
+    def probe() -> None:
+        seen.append((set(os.sched_getaffinity(0)), threading.active_count(), torch.get_num_threads()))
+    before = threading.active_count()
+    beside_copies(probe, 2, 1)
+    cores, alive, threads = seen[0]
+    assert alive == before + 2 and threads == 1  # itself and one copying neighbour
+    if len(CORES) >= 2:
+        assert cores == {CORES[0]}
+
+    def fails() -> None:
+        raise ValueError("inside")
+    with pytest.raises(ValueError, match="inside"):
+        beside_copies(fails, 2, 1)
+    assert threading.active_count() == before
+
+
 def test_the_local_allreduce_is_simulated_at_its_fitted_cost() -> None:
     from fastt.api import capture
     from fastt.plan.named import plan

@@ -369,23 +369,66 @@ def replica_mean(grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 MEAN_SHAPES = ((1, 2**10), (16, 2**10), (1, 2**16), (16, 2**14), (1, 2**20), (16, 2**16), (4, 2**20))
 
 
-def measure_means(threads: int = 1, shapes: Sequence[tuple[int, int]] = MEAN_SHAPES,
-                  repeats: int = 5) -> tuple[list[tuple[int, int]], list[float]]:
+def measure_means(threads: int = 1, shapes: Sequence[tuple[int, int]] = MEAN_SHAPES, repeats: int = 5,
+                  devices: int = 1) -> tuple[list[tuple[int, int]], list[float]]:
     """Seconds the local runtime takes to average two replicas' `k` tensors of `f` floats each (`shapes`:
-    (k, f)), with its own mean (`replica_mean`), the fastest of `repeats` (noise only adds
-    time): ([(bytes, tensors)], seconds)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    points, times = [], []
-    try:
+    (k, f)), with its own mean (`replica_mean`), the fastest of `repeats` (noise only adds time): ([(bytes,
+    tensors)], seconds). With `devices` > 1 it runs on device 0's cores while the other devices' cores copy
+    memory (`beside_copies`), as a step's means run beside the other devices' backward: op times are measured
+    with every device busy too. Alone, alexnet's means (15.5 MB a step under DP on cpu:2) were costed at 1.3
+    ms where the step spent 2.4 (the average's memory traffic shares the machine's bandwidth)."""
+    points: list[tuple[int, int]] = []
+    times: list[float] = []
+
+    def measure() -> None:
+        torch.set_num_threads(threads)
         for k, f in shapes:
             grads = [[torch.rand(f) for _ in range(k)] for _ in range(2)]
             replica_mean(grads)
             times.append(min(_timed(lambda: replica_mean(grads)) for _ in range(repeats)))  # noqa: B023
             points.append((4 * k * f, k))
-    finally:
-        torch.set_num_threads(old)
+    beside_copies(measure, devices, threads)
     return points, times
+
+
+def beside_copies(fn: Callable[[], None], devices: int, threads: int, floats: int = 2**22) -> None:
+    """Run `fn` on a thread pinned to CPU worker device 0's cores (`use_cores`), while a thread on each other
+    device's cores copies `floats` floats over and over (a memory-bound neighbour, as a device's backward
+    is); on this thread where `devices` is 1."""
+    if devices < 2:
+        old = torch.get_num_threads()
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(old)
+        return
+    stop, errors = threading.Event(), []
+
+    def copying(d: int) -> None:
+        use_cores(d, threads, devices)
+        torch.set_num_threads(threads)
+        x = torch.rand(floats)
+        y = torch.empty_like(x)
+        while not stop.is_set():
+            y.copy_(x)
+
+    def first() -> None:
+        use_cores(0, threads, devices)
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            errors.append(e)
+        stop.set()
+    others = [threading.Thread(target=copying, args=(d,), daemon=True) for d in range(1, devices)]
+    for t in others:
+        t.start()
+    main = threading.Thread(target=first)
+    main.start()
+    main.join()
+    for t in others:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 @functools.cache  # a property of the machine: measured once per process
@@ -505,8 +548,9 @@ def calibrate_cpu(cluster: Cluster) -> Cluster:
     links = tuple(Link(lk.name, bandwidth, latency) for lk in cluster.links)
     # The local runtime averages gradients in a device's thread (`replica_mean`: foreach adds, then a
     # divide), which reads both replicas' and writes the mean, and pays per tensor: costed as fitted on it,
-    # not as a copy over a link (0.2 ms simulated where resnet50's DP step at test size spent 3.8 ms).
-    gather = fit_gather(*measure_means(threads)) if n > 1 else None
+    # beside the other devices' work, not as a copy over a link (0.2 ms simulated where resnet50's DP step at
+    # test size spent 3.8 ms).
+    gather = fit_gather(*measure_means(threads, devices=n)) if n > 1 else None
     return replace(cluster, devices=devices, links=links, gather=gather)
 
 
