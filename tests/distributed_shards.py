@@ -28,6 +28,7 @@ from fastt.errors import FasttError
 from fastt.graph import data_parallel_graph
 from fastt.plan.common import strategy_from
 from fastt.runtime.distributed import parallelize_distributed, rank_cluster
+from fastt.runtime.distributed.step import EagerRankStep
 from fastt.runtime.reference import eager_step, max_param_rel_diff, take_state
 from fastt.runtime.shards import shard_of
 
@@ -84,18 +85,23 @@ def both(loss: str, strategy, cl) -> tuple[bool, float]:
 
 
 def refusals(cl) -> dict[str, str]:
-    """Rank 1's shard takes the other branch (under dp rank 1 checks it, under single rank 0 does), or has the
-    wrong shape: the message every rank raises, or 'trained'; a model that changed says so."""
+    """A rank's shard takes the other branch (under dp rank 1 checks it, under single rank 0 does), or has the
+    wrong shape (also under one process, rank 0's eager step given, which checks shapes only): the message every
+    rank raises, or 'trained'; a model that changed says so."""
     out = {}
-    for name, planner, bad in [("branch-dp", "dp", "branch"), ("branch-single", "single", "branch"),
-                               ("shape-dp", "dp", "shape")]:
+    for name, planner, bad, who in [("branch-dp", "dp", "branch", 1), ("branch-single", "single", "branch", 1),
+                                    ("shape-dp", "dp", "shape", 1), ("shape-eager", "eager", "shape", 1),
+                                    ("shape-eager-rank0", "eager", "shape", 0)]:
         torch.manual_seed(0)
         model = Branchy()
         x, y = torch.rand(8, 4) + 0.1, torch.randint(0, 2, (8,))
-        step = parallelize_distributed(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), (x, y),
-                                       planner, cl=cl)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        how = ({"strategy": fastt.plan(fastt.capture(model, F.cross_entropy, opt, (x, y)), cl, "single")}
+               if planner == "eager" else {"planner": planner})
+        step = parallelize_distributed(model, F.cross_entropy, opt, (x, y), cl=cl, **how)
+        assert isinstance(step, EagerRankStep) == (planner == "eager")
         shard = shard_of([x, y], dist.get_rank(), 2)
-        if dist.get_rank() == 1:
+        if dist.get_rank() == who:
             shard = [-shard[0], shard[1]] if bad == "branch" else [shard[0][:3], shard[1][:3]]
         before = copy.deepcopy(model.state_dict())
         try:

@@ -87,7 +87,7 @@ def main(name: str, planners: str, path: str) -> None:
         out.setdefault("host", {})[planner] = {  # the simulated step's parts; its dry run changes nothing
             "unchanged": same(before, (model.state_dict(), opt.state_dict())), "dry_once_s": dry,
             "simulated_s": step.simulated_s, "placed_s": step.placed.simulated_s, "dry_s": step.host_seconds(),
-            "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agree_s,
+            "feed_s": step.feed.seconds(cl), "pieces": len(step.feed.pieces), "agree_s": step.agreement_s(),
             "joins_s": step.joins_s(), "eager": isinstance(step, EagerRankStep)}
         out[planner] = {}
         for schedule in SCHEDULES:

@@ -420,10 +420,12 @@ def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner:
     for schedule, res in got.items():
         assert res["diff"] <= 1e-5 and res["loss_diff"] <= 1e-5 and not res["warned"], (schedule, res)
     # The simulated step: the plan's, the rows that travel, the ranks' agreement and the host's dry run, which
-    # leaves the model and optimizer as they were (none where the trial kept one process, rank 0's eager step).
+    # leaves the model and optimizer as they were (no dry run where the trial kept one process, rank 0's eager
+    # step).
     host = out["host"][planner]
     assert host["unchanged"] and (host["dry_s"] == 0 if host["eager"] else host["dry_s"] > 0), host
-    assert host["agree_s"] > 0, host
+    # one process's flags come with its rows: no agreement of its own (`EagerRankStep.agreement_s`)
+    assert (host["agree_s"] == 0 if host["eager"] else host["agree_s"] > 0), host
     assert (host["feed_s"] > 0) == (host["pieces"] > 0), host
     parts = host["placed_s"] + host["feed_s"] + host["joins_s"] + host["agree_s"] + host["dry_s"]
     assert host["simulated_s"] == pytest.approx(parts), host
@@ -432,7 +434,8 @@ def test_lr_schedules_and_clipping_train_as_eager_over_gloo(model: str, planner:
 def test_each_rank_reads_its_shard_and_trains_as_the_whole_batch(tmp_path: Path) -> None:
     """Per-rank shards against the whole batch on every rank: bit for bit under DP (nothing travels), the
     one-device plan (rank 1's rows go to rank 0) and a random plan of 4 replicas (rows both ways), for a mean, a
-    sum and a -100-masked mean (counts gathered); and a shard one rank refuses is refused by both, untrained."""
+    sum and a -100-masked mean (counts gathered); and a shard one rank refuses is refused by both, untrained, under
+    the runtime's plans and one process's eager step."""
     r = torchrun_script("distributed_shards.py", str(tmp_path / "out.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
@@ -447,6 +450,11 @@ def test_each_rank_reads_its_shard_and_trains_as_the_whole_batch(tmp_path: Path)
     assert refused["shape-dp"][0].startswith("rank 1 refused the batch: step(...) argument 0 is a torch.float32 "
                                              "tensor of shape (3, 4), the captured step's is torch.float32 of "
                                              "shape (4, 4) (its shard")
+    # one process (rank 0's eager step): rank 1's flag comes with its rows, rank 0 answers; rank 0's own shard too
+    for case, rank in [("shape-eager", 1), ("shape-eager-rank0", 0)]:
+        assert refused[case][0].startswith(f"rank {rank} refused the batch: step(...) argument 0 is a "
+                                           "torch.float32 tensor of shape (3, 4)"), refused
+    assert not any(said[0].endswith("(and the model changed)") for said in refused.values()), refused
 
 
 def fastt_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
