@@ -77,7 +77,11 @@ class Feed:
         """(shape, stride, dtype) of a piece as it travels: contiguous."""
         sample, dtype = self.leaves[p.input]
         shape = torch.Size((p.hi - p.lo, *sample))
-        return shape, torch.empty(shape, device="meta").stride(), dtype
+        stride, size = [], 1  # contiguous, as torch lays it out (a meta tensor cost 20-30 µs a piece a step)
+        for n in reversed(shape):
+            stride.append(size)
+            size *= max(n, 1)
+        return shape, tuple(reversed(stride)), dtype
 
     def seconds(self, cluster: Cluster) -> float:
         """Simulated seconds of the pieces on `cluster` (a device per rank) before the step's own work: one
