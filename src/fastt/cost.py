@@ -419,7 +419,8 @@ def beside_copies(fn: Callable[[], None], devices: int, threads: int, floats: in
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
             errors.append(e)
         stop.set()
-    others = [threading.Thread(target=copying, args=(d,), daemon=True) for d in range(1, devices)]
+    others = [threading.Thread(target=copying, args=(d,), name=f"fastt-copying-{d}", daemon=True)
+              for d in range(1, devices)]
     for t in others:
         t.start()
     main = threading.Thread(target=first)
