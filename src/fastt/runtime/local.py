@@ -89,8 +89,9 @@ class _Run:
         self.scatters = {a for a, names in low.allreduces.items() if names and set(names) <= given}
         # Per device, the allreduces whose gradients and readers are all on it (`Programs.accumulate`) still
         # to sum: each as soon as its last gradient is made, as gradient accumulation does, not held until an
-        # update reads the mean (the simulator's order)
-        self.accumulate = [list(ops) for ops in programs.accumulate]
+        # update reads the mean (the simulator's order). A reduce-scatter is left out: its replicas compute
+        # their own rows, so no device ever claims it.
+        self.accumulate = [[a for a in ops if a not in self.scatters] for ops in programs.accumulate]
         if meter is not None:  # only a measured step pays for these
             # (replica, value, device) -> segments on the device still to read it
             self.local = Counter((seg.replica, name, d) for d, segs in enumerate(programs.devices)

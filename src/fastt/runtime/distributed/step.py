@@ -311,12 +311,13 @@ class DistributedStep(PlacedStep):
                 sends = {**sends, 0: sends.get(0, [])}
         posted = []
         for src, pieces in receives.items():
-            leaves = [Leaf(*feed.leaf(p)) for p in pieces] + ([_FLAG] if flag is not None else [])
+            leaves = [Leaf.contiguous(*feed.leaf(p)) for p in pieces] + ([_FLAG] if flag is not None else [])
             buf = self.buffers.get(("feed", "in", src), packed_size(leaves))
             posted.append((src, pieces, leaves, buf, dist.irecv(buf, src, group=groups[src, self.rank])))
         sent = []
         for dst, pieces in sends.items():
-            pairs = [(feed.rows(self.rank, shard[p.input], p.lo, p.hi), Leaf(*feed.leaf(p))) for p in pieces]
+            pairs = [(feed.rows(self.rank, shard[p.input], p.lo, p.hi), Leaf.contiguous(*feed.leaf(p)))
+                     for p in pieces]
             if flag is not None and dst == 0:
                 pairs.append((torch.tensor([flag], dtype=torch.float64, device=device), _FLAG))
             out = self.buffers.get(("feed", "out", dst), packed_size([leaf for _, leaf in pairs]))
@@ -467,7 +468,7 @@ class EagerRankStep(DistributedStep):
         _bad_shard(feed, shard)
         received: dict[Piece, torch.Tensor] = {}
         for pieces in feed.receives(0).values():
-            pairs = [(example[p.input][p.lo:p.hi], Leaf(*feed.leaf(p))) for p in pieces]
+            pairs = [(example[p.input][p.lo:p.hi], Leaf.contiguous(*feed.leaf(p))) for p in pieces]
             pairs.append((torch.zeros(1, dtype=torch.float64), _FLAG))
             leaves = [leaf for _, leaf in pairs]
             values = unpack(pack(pairs, torch.empty(packed_size(leaves), dtype=torch.uint8)), leaves)
@@ -521,8 +522,7 @@ def _bound(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step) -> tu
     slots = [None] * (len(params) + len(buffers)) + [(p, k) for p, keys in zip(params, step.state_keys)
                                                       for k in keys]
     vals = [n.meta["val"] for n in step.gm.graph.nodes if n.op == "placeholder"][:len(tensors)]
-    leaves = [Leaf(v.shape, torch.empty(v.shape, device="meta").stride(), t.dtype)
-              for t, v in zip(tensors, vals)]
+    leaves = [Leaf.contiguous(v.shape, t.dtype) for t, v in zip(tensors, vals)]
     return tensors, slots, leaves
 
 

@@ -414,7 +414,7 @@ def _rows_layout(whole: Layout, parts: int, k: int) -> Layout:
     """How part k of a value made by rows travels: its rows, contiguous."""
     leaf = whole.leaves[0]
     shape = (row_counts(leaf.shape[0], parts)[k], *leaf.shape[1:])
-    return Layout(whole.spec, (Leaf(shape, torch.empty(shape, device="meta").stride(), leaf.dtype),))
+    return Layout(whole.spec, (Leaf.contiguous(shape, leaf.dtype),))
 
 
 def _owners(low: Lowered, programs: Programs) -> dict[int, tuple[int, ...]]:
