@@ -207,15 +207,30 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
     in as many threads (the op times then include what sharing the machine's caches and memory bandwidth
     costs, as when `concurrent` worker devices are busy).
     """
-    step = graph.fx
-    if step is None:
-        raise FasttError("this graph was not captured from a model: nothing to measure")
-    if step.derived:
-        raise FasttError("this graph was derived for planning (fastt.rebatch): measure the step captured at "
-                         "its batch (rebatch(graph, b, traced=True))")
-    fn, names = _timed_code(step.gm, _cuda_tick if kind == "cuda" else time.perf_counter)
-    flat = torch.utils._pytree.tree_leaves(list(real_inputs))
-    readings: list[list[float]] = []
+    return _measure([graph], [real_inputs], kind=kind, threads=threads, runs=runs, progress=progress,
+                    concurrent=concurrent)
+
+
+def _measure(graphs: Sequence[OpGraph], inputs: Sequence[Sequence], *, kind: str, threads: int, runs: int,
+             progress: bool, concurrent: int) -> MeasuredCosts:
+    """`measure` of several steps (the same step at several batch sizes), their runs taken in turn: run r of
+    every step before run r + 1 of any. This machine's speed drifts by tens of percent over seconds, and a
+    planner compares the steps' op times (the whole batch on one device against data parallelism's half): a
+    drift while one table alone was measured decided the plan (alexnet on cpu:2, 2026-12-07: the fastt
+    planner kept a plan simulated at 47 ms, its DP at b/2 having been measured slow, where DP measured 36.5
+    and was simulated at 33.8 from a table of its own). An op signature in several steps (the update, whose
+    shapes do not change with the batch) pools their runs."""
+    codes = []
+    for graph, real_inputs in zip(graphs, inputs):
+        step = graph.fx
+        if step is None:
+            raise FasttError("this graph was not captured from a model: nothing to measure")
+        if step.derived:
+            raise FasttError("this graph was derived for planning (fastt.rebatch): measure the step captured "
+                             "at its batch (rebatch(graph, b, traced=True))")
+        fn, names = _timed_code(step.gm, _cuda_tick if kind == "cuda" else time.perf_counter)
+        codes.append((fn, names, torch.utils._pytree.tree_leaves(list(real_inputs))))
+    readings: list[list[list[float]]] = [[] for _ in graphs]
 
     def worker(d: int = 0) -> None:
         torch.set_num_threads(threads)
@@ -223,9 +238,10 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
             use_cores(d, threads, concurrent)
         with torch.no_grad():
             for r in range(runs + 1):
-                ticks = fn(*[x.clone() if isinstance(x, torch.Tensor) else x for x in flat])
-                if r:  # the first run warms up the allocator and lazy init
-                    readings.append(_elapsed(ticks))
+                for (fn, _, flat), got in zip(codes, readings):
+                    ticks = fn(*[x.clone() if isinstance(x, torch.Tensor) else x for x in flat])
+                    if r:  # the first run warms up the allocator and lazy init
+                        got.append(_elapsed(ticks))
 
     if concurrent == 1:  # on this thread, as the local runtime runs a one-device plan (`local.run_step`)
         old = torch.get_num_threads()
@@ -235,25 +251,43 @@ def measure(graph: OpGraph, real_inputs: Sequence, *, kind: str = "cpu", threads
             torch.set_num_threads(old)
     else:
         workers = [threading.Thread(target=worker, args=(d,)) for d in range(concurrent)]
-        for w in tqdm(workers, desc=f"measuring {graph.name} on {kind}x{threads}", disable=not progress):
+        name = "+".join(dict.fromkeys(g.name for g in graphs))
+        for w in tqdm(workers, desc=f"measuring {name} on {kind}x{threads}", disable=not progress):
             w.start()
         for w in workers:
             w.join()
-    # A run the machine stalled in (one of 10 at 5x the others: resnet50's DP step simulated at 275 ms against
-    # 57 measured, 2026-12-07) is no occasional slow call: runs over twice the median run are left out.
-    totals = [sum(seconds) for seconds in readings]
-    usual = 2 * statistics.median(totals) if totals else 0.0
     samples: dict[str, list[float]] = {}
-    for seconds in (r for r, total in zip(readings, totals) if total <= usual):
-        elapsed = dict(zip(names, seconds))
-        for op in graph.ops:
-            if op.signature:
-                samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))
-    if len(readings) < concurrent * runs:
-        raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback above)")
+    for graph, (_, names, _), got in zip(graphs, codes, readings):
+        if len(got) < concurrent * runs:
+            raise FasttError(f"measuring {graph.name} failed: a run of the step raised (see the traceback "
+                             "above)")
+        # A run the machine stalled in (one of 10 at 5x the others: resnet50's DP step simulated at 275 ms
+        # against 57 measured, 2026-12-07) is no occasional slow call: runs over twice the median run are
+        # left out.
+        totals = [sum(seconds) for seconds in got]
+        usual = 2 * statistics.median(totals)
+        for seconds in (r for r, total in zip(got, totals) if total <= usual):
+            elapsed = dict(zip(names, seconds))
+            for op in graph.ops:
+                if op.signature:
+                    samples.setdefault(op.signature, []).append(sum(elapsed.get(n, 0.0) for n in op.nodes))
     return MeasuredCosts(kind=kind, threads=threads,
                          seconds={s: statistics.mean(v) for s, v in samples.items()})
 
+
+def _real_inputs(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 example_inputs: Sequence[torch.Tensor]) -> tuple[str, list]:
+    """(the device kind, the step's graph inputs) of `graph` on `example_inputs`' first `graph.batch` rows,
+    read from the model and optimizer."""
+    inputs = tuple(x[:graph.batch] for x in example_inputs)
+    want = [dtype for _, dtype in graph.fx.structure.get("the batch's shapes and dtypes", ())]
+    if want and [x.dtype for x in inputs] != want:  # else a worker's KeyError or a kernel's dtype complaint
+        raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of "
+                         f"{[str(x.dtype) for x in inputs]}, the captured step takes {len(want)} of "
+                         f"{[str(d) for d in want]}: pass inputs like those it was captured with")
+    params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
+    kind = "cuda" if params and params[0].is_cuda else "cpu"
+    return kind, [params, buffers, states, *inputs, hypers, 1.0]
 
 
 def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -267,28 +301,22 @@ def measure_model(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim
     sliced to b.
     `concurrent` copies run at once (see `measure`): op times as when that many worker devices are busy.
     """
-    inputs = tuple(x[:graph.batch] for x in example_inputs)
-    want = [dtype for _, dtype in graph.fx.structure.get("the batch's shapes and dtypes", ())]
-    if want and [x.dtype for x in inputs] != want:  # else a worker's KeyError or a kernel's dtype complaint
-        raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of "
-                         f"{[str(x.dtype) for x in inputs]}, the captured step takes {len(want)} of "
-                         f"{[str(d) for d in want]}: pass inputs like those it was captured with")
-    params, buffers, states, inputs, hypers = graph.fx.arguments(model, optimizer, inputs, create=False)
-    kind = "cuda" if params and params[0].is_cuda else "cpu"
-    return measure(graph, [params, buffers, states, *inputs, hypers, 1.0], kind=kind, threads=threads,
-                   runs=runs,
-                   progress=progress, concurrent=concurrent)
+    kind, inputs = _real_inputs(graph, model, optimizer, example_inputs)
+    return measure(graph, inputs, kind=kind, threads=threads, runs=runs, progress=progress,
+                   concurrent=concurrent)
 
 
 def measure_step(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  example_inputs: Sequence[torch.Tensor], batches: Sequence[int], threads: int,
                  concurrent: int) -> MeasuredCosts:
     """Measured op times of the step at each batch size in `batches` (one table: op signatures differ by
-    shape), with `concurrent` copies running at once, on the device the model is on."""
-    tables = [measure_model(rebatch(graph, b, traced=True), model, optimizer, example_inputs, threads=threads,
-                            progress=False, concurrent=concurrent) for b in dict.fromkeys(batches)]
-    seconds = {k: v for t in tables for k, v in t.seconds.items()}
-    return MeasuredCosts(kind=tables[0].kind, threads=threads, seconds=seconds)
+    shape), with `concurrent` copies running at once, on the device the model is on; the sizes' runs taken
+    in turn (`_measure`)."""
+    graphs = [rebatch(graph, b, traced=True) for b in dict.fromkeys(batches)]
+    read = [_real_inputs(g, model, optimizer, example_inputs) for g in graphs]
+    return _measure(graphs, [inputs for _, inputs in read], kind=read[0][0], threads=threads, runs=5,
+                    progress=False, concurrent=concurrent)
+
 
 def fit_transfers(sizes: Sequence[float], seconds: Sequence[float],
                   relative: bool = False) -> tuple[float, float]:
