@@ -37,7 +37,7 @@ from fastt.runtime.distributed import (
     unpack,
     wire,
 )
-from fastt.runtime.distributed.executor import _serial
+from fastt.runtime.distributed.executor import Buffers, _serial
 from fastt.runtime.programs import place, rows
 
 
@@ -173,6 +173,18 @@ def test_a_one_device_plan_sends_nothing() -> None:
     placed = place(g, fastt.plan(g, "cpu:2", "single"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
     w = wire(placed.lowered, placed.programs)
     assert not w.messages and not w.final
+
+
+def test_a_kept_buffer_asked_for_at_another_size_is_made_again() -> None:
+    """A rank's kept message buffers (`Buffers`): the same key at the same size is the same buffer, at another
+    size a new one of that size (one process's rows to rank 0 end in a refusal flag, the runtime's do not)."""
+    g = captured("mlp")
+    placed = place(g, fastt.plan(g, "cpu:2", "single"), cluster("cpu:2"), MeasuredCosts("cpu", 1))
+    buffers = Buffers(wire(placed.lowered, placed.programs), 0, torch.device("cpu"))
+    first = buffers.get(("feed", "in", 1), 64)
+    assert buffers.get(("feed", "in", 1), 64).data_ptr() == first.data_ptr()
+    assert buffers.get(("feed", "in", 1), 128).numel() == 128
+    assert buffers.get(("feed", "in", 1), 64, torch.float32).shape == (16,)
 
 
 def test_what_rank_0_does_not_read_stays_on_the_ranks_that_do() -> None:

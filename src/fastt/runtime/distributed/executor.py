@@ -58,7 +58,7 @@ class Buffers:
         if (key if isinstance(key, int) else key[0]) in self.fresh:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device).view(dtype)
         buf = self.kept.get(key)
-        if buf is None:
+        if buf is None or buf.numel() != nbytes:  # a key's size may change (one process's rows end in a flag)
             buf = self.kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf.view(dtype)
 
