@@ -44,11 +44,13 @@ def main() -> None:
     def in_turn() -> MeasuredCosts:
         return measure_step(g, w.model, w.optimizer, w.example_inputs, batches, threads, 2)
 
-    ratios: dict[str, list[float]] = {"one table after the other": [], "in turn": []}
+    ways = {"one table after the other": one_after_the_other, "in turn": in_turn}
+    ratios: dict[str, list[float]] = {how: [] for how in ways}
     for _ in range(args.repeats):
-        for (how, got), measured in zip(ratios.items(), (one_after_the_other, in_turn)):
+        for how, measured in ways.items():
             costs = measured()
-            got.append(simulate_plan(g, dp, cl, costs).iteration_s / simulate_plan(g, single, cl, costs).iteration_s)
+            ratios[how].append(simulate_plan(g, dp, cl, costs).iteration_s
+                               / simulate_plan(g, single, cl, costs).iteration_s)
     print(f"{args.model} on cpu:2, DP's simulated step over one device's, {args.repeats} measurements each:")
     for how, got in ratios.items():
         print(f"  {how:26} mean {statistics.mean(got):.3f}  stdev {statistics.stdev(got):.3f}  "
