@@ -1,7 +1,10 @@
 """Run by test_distributed under torchrun (2 ranks): a one-process plan given (the trial's rival kept, saved
 and resumed) runs as rank 0's eager step, the other rank sending its shard's rows. Every step from the same state
 equals the plain eager step of the whole batch, the loss comes back on rank 0 (None on rank 1), and `.grad` is
-left as it was; switched to data parallelism, the next step is eager's too. Writes {"eager": bool, "diff": d, "loss_diff": l, "grads_kept": bool, "others": [...]} to the
+left as it was; switched to data parallelism, the next step is eager's too, and so are the steps after a switch
+back to one process (rank 0's receive of rank 1's next rows, posted during the last one-process step, stays
+posted through data parallelism's messages, which must not land in it, and takes the rows when one process
+runs again). Writes {"eager": bool, "diff": d, "loss_diff": l, "grads_kept": bool, "others": [...]} to the
 file argv[1] (rank 0).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed_eager.py OUT
@@ -44,9 +47,11 @@ def main(out: str) -> None:
         p.grad = mark
     diff = loss_diff = 0.0
     others = []
-    for i in range(STEPS + 1):
+    for i in range(STEPS + 3):
         if i == STEPS:  # switched to data parallelism: the runtime runs it, from rank 0's state
             step.switch(fastt.plan(g, cl, "dp"))
+        if i == STEPS + 1:  # and back
+            step.switch(fastt.plan(g, cl, "single"))
         b = batch_like(inputs, i)
         if ref is not None:
             take_state(model, opt, ref[1], ref[3])
@@ -62,7 +67,7 @@ def main(out: str) -> None:
             json.dump({"eager": eager, "diff": diff, "loss_diff": loss_diff,
                        "grads_kept": all(p.grad is mark for p, mark in zip(model.parameters(), marked))}, f)
     else:
-        assert others == [None] * (STEPS + 1), others
+        assert others == [None] * (STEPS + 3), others
     dist.barrier()
     dist.destroy_process_group()
 

@@ -335,10 +335,16 @@ class DistributedStep(PlacedStep):
         with its flag, and rank 0 gets them: (the rows, {rank: its flag})."""
         groups, device = directions(self.buffers.device), self.buffers.device
         receives, sends = self._layout(flag is not None)
+        ahead = flag is not None and device.type == "cpu"  # one process on gloo: rank 0's receives go ahead
         posted = []
         for src, pieces, leaves, nbytes in receives:
-            buf = self.buffers.get(("feed", "in", src), nbytes)
-            posted.append((src, pieces, leaves, buf, dist.irecv(buf, src, group=groups[src, self.rank])))
+            group = groups[src, self.rank]
+            if ahead:
+                buf, work, other = _AHEAD.posted(group, src, nbytes)
+            else:
+                buf, other = self.buffers.get(("feed", "in", src), nbytes), None
+                work = dist.irecv(buf, src, group=group)
+            posted.append((src, pieces, leaves, buf, work, other))
         sent = []
         for dst, pieces, leaves, nbytes in sends:
             pairs = [(feed.rows(self.rank, shard[p.input], p.lo, p.hi), leaf)
@@ -346,11 +352,14 @@ class DistributedStep(PlacedStep):
             if len(leaves) > len(pieces):  # its flag
                 pairs.append((torch.tensor([flag], dtype=torch.float64, device=device), _FLAG))
             buf = pack(pairs, self.buffers.get(("feed", "out", dst), nbytes))
-            sent.append((dst, dist.isend(buf, dst, group=groups[self.rank, dst])))
+            tag = _Ahead.tag(nbytes) if ahead else 0
+            sent.append((dst, dist.isend(buf, dst, group=groups[self.rank, dst], tag=tag)))
         received, flags = {}, {}
-        for src, pieces, leaves, buf, work in posted:
+        for src, pieces, leaves, buf, work, other in posted:
             wait_done(work, self.timeout, device,
                       lambda e, src=src: lost(src, "rows of the batch", e, self.timeout))
+            if ahead:
+                _AHEAD.post_next(groups[src, self.rank], src, other, buf)
             values = unpack(buf, leaves)
             if len(leaves) > len(pieces):
                 flags[src] = float(values.pop())
@@ -510,6 +519,48 @@ class EagerRankStep(DistributedStep):
 
 
 _FLAG = Leaf((1,), (1,), torch.float64)  # a rank's refusal of its shard, at the end of its rows to rank 0
+
+
+class _Ahead:
+    """Rank 0's receives of the other ranks' rows for one process's step on gloo, each posted a step ahead.
+    Gloo sends nothing until the receiver has posted its receive (one posted after the send waited 0.22-0.24
+    ms on loopback). Rank 0 posts the receive of the next step's rows as soon as this step's have come, so
+    they travel while it computes this step. In a loop without barriers, rank 0's time to take the rows went
+    from 0.65 to 0.43 ms a step (dlrm at 1gbit), resnet50's from 3.4 to 0.9 ms; timed from a barrier before
+    each step, rank 0 still waits while the other ranks pack and send them (`benchmarks/rows_ahead.py`,
+    2026-12-07). Two buffers per direction take turns: this step's batch is
+    views of one. A receive whose rows never come (training ends, another plan runs) stays posted and harms
+    nothing: torchrun runs that exit with one posted ended cleanly (with or without destroy_process_group,
+    and with the peer gone first). Its tag is its size, so no other message in the direction lands in it, and
+    a step with rows of that size takes it up again, from any step object."""
+
+    def __init__(self) -> None:
+        # per direction, per size: (the buffer, its posted receive, the other buffer)
+        self._posted: weakref.WeakKeyDictionary[dist.ProcessGroup, dict] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def tag(nbytes: int) -> int:
+        """The tag of one process's rows of `nbytes` (not gloo's default tag, 0, of every other message)."""
+        return 1 + nbytes % (2 ** 31 - 2)
+
+    def posted(self, group: dist.ProcessGroup, src: int, nbytes: int
+               ) -> tuple[torch.Tensor, dist.Work, torch.Tensor]:
+        """The receive of rank `src`'s rows of `nbytes` in `group` (the one posted a step ahead, else one
+        posted now): its buffer, its work and the other buffer, for `post_next`."""
+        mine = self._posted.setdefault(group, {})
+        if nbytes not in mine:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            work = dist.irecv(buf, src, group=group, tag=self.tag(nbytes))
+            mine[nbytes] = (buf, work, torch.empty_like(buf))
+        return mine.pop(nbytes)
+
+    def post_next(self, group: dist.ProcessGroup, src: int, buf: torch.Tensor, now: torch.Tensor) -> None:
+        """Post the receive of `src`'s next rows into `buf`, once this step's have come into `now`."""
+        work = dist.irecv(buf, src, group=group, tag=self.tag(buf.numel()))
+        self._posted.setdefault(group, {})[buf.numel()] = (buf, work, now)
+
+
+_AHEAD = _Ahead()
 
 
 def _bad_shard(feed: Feed, shard: Sequence[torch.Tensor]) -> str:
