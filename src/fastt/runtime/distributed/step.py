@@ -526,13 +526,15 @@ class _Ahead:
     Gloo sends nothing until the receiver has posted its receive (one posted after the send waited 0.22-0.24
     ms on loopback). Rank 0 posts the receive of the next step's rows as soon as this step's have come, so
     they travel while it computes this step. In a loop without barriers, rank 0's time to take the rows went
-    from 0.65 to 0.43 ms a step (dlrm at 1gbit), resnet50's from 3.4 to 0.9 ms; timed from a barrier before
-    each step, rank 0 still waits while the other ranks pack and send them (`benchmarks/rows_ahead.py`,
-    2026-12-07). Two buffers per direction take turns: this step's batch is views of one. A receive whose
-    rows never come (training ends, another plan runs) stays posted and harms nothing: torchrun runs that
-    exit with one posted ended cleanly (with or without destroy_process_group, and with the peer gone first).
-    Its tag is its size, so no other message in the direction lands in it, and a step with rows of that size
-    takes it up again, from any step object. NCCL ignores tags, so GPUs post at the step's start."""
+    from 0.65 to 0.43 and 0.55 ms a step in two runs (dlrm at 1gbit), resnet50's from 3.4 and 3.3 to 0.9 ms,
+    but the whole step's change was inside the runs' noise (dlrm 7.50 -> 6.34 and 6.85 -> 7.04 ms; resnet50
+    69.28 -> 68.71 and 66.94 -> 68.47). Timed from a barrier before each step, rank 0 still waits while the
+    other ranks pack and send them (`benchmarks/rows_ahead.py`, 2026-12-07). Two buffers per direction take
+    turns: this step's batch is views of one. A receive whose rows never come (training ends, another plan
+    runs) stays posted and harms nothing: torchrun runs that exit with one posted ended cleanly (with or
+    without destroy_process_group, and with the peer gone first). Its tag is its size, so no other message in
+    the direction lands in it, and a step with rows of that size takes it up again, from any step object.
+    NCCL ignores tags, so GPUs post at the step's start."""
 
     def __init__(self) -> None:
         # per direction, per size: (the buffer, its posted receive, the other buffer)
