@@ -549,12 +549,9 @@ class _Ahead:
                ) -> tuple[torch.Tensor, dist.Work, torch.Tensor]:
         """The receive of rank `src`'s rows of `nbytes` in `group` (the one posted a step ahead, else one
         posted now): its buffer, its work and the other buffer, for `post_next`."""
-        mine = self._posted.setdefault(group, {})
-        if nbytes not in mine:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            work = dist.irecv(buf, src, group=group, tag=self.tag(nbytes))
-            mine[nbytes] = (buf, work, torch.empty_like(buf))
-        return mine.pop(nbytes)
+        if nbytes not in self._posted.get(group, {}):
+            self.post_next(group, src, *(torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)))
+        return self._posted[group].pop(nbytes)
 
     def post_next(self, group: dist.ProcessGroup, src: int, buf: torch.Tensor, now: torch.Tensor) -> None:
         """Post the receive of `src`'s next rows into `buf`, once this step's have come into `now`."""
