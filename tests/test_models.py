@@ -210,3 +210,91 @@ def test_a_branch_on_fake_inputs_or_on_the_model_is_refused_clearly() -> None:
         opt = sgd(model.parameters())
     with pytest.raises(FasttError, match=r"branches on the batch's values at .*test_models\.py.*needs real example"):
         capture_step(model, nn.functional.cross_entropy, opt, batch)
+
+
+class Reverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training), old style: forward(ctx, ...), an attribute on ctx."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return -ctx.scale * g, None
+
+
+class StraightThrough(torch.autograd.Function):
+    """A clamp whose gradient passes where |x| < 2 (a straight-through estimator), new style, saving its input."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-1, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * (x.abs() < 2).to(g.dtype)
+
+
+class Adversarial(nn.Module):
+    def __init__(self, functions: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.functions = functions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        h = Reverse.apply(StraightThrough.apply(h), 0.5) if self.functions else h.clamp(-1, 1)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("how", ["fx", "dp", "dpos"])
+def test_custom_autograd_functions_train_with_their_own_backward(how: str) -> None:
+    """An old-style and a new-style autograd.Function: eager's step is the oracle, and their backward matters (the
+    same net without them trains otherwise)."""
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    batches = [reference.batch_like((x, y), seed) for seed in range(3)]
+    assert_trains_as_eager(Adversarial, sgd, nn.CrossEntropyLoss(), (x, y), batches, how)
+    plain, custom = Adversarial(functions=False), Adversarial()
+    for model in (plain, custom):
+        reference.eager_step(model, nn.CrossEntropyLoss(), sgd(model.parameters()), batches[0])
+    assert not torch.allclose(plain.a.weight, custom.a.weight, rtol=1e-3)
+
+
+def test_bloom_trains_as_eager() -> None:
+    """transformers' Bloom runs its GeLU as an old-style autograd.Function in training."""
+    torch.manual_seed(0)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2,
+                                                                   n_head=4))
+    ids = torch.randint(0, VOCAB, (4, 16))
+    batches = [reference.batch_like((ids, ids), seed) for seed in range(3)]
+    assert_trains_as_eager(lambda: Logits(copy.deepcopy(bloom)), sgd, lm_loss, (ids, ids), batches, "dp")
+
+
+class InPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return 2 * g
+
+
+class Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return InPlace.apply(super().forward(x) * 1)
+
+
+def test_an_in_place_custom_function_is_refused_by_name() -> None:
+    model = Doubled(8, 2)
+    with pytest.raises(FasttError, match="InPlace changes its input in place"):
+        fastt.capture(model, nn.functional.mse_loss, sgd(model.parameters()), (torch.randn(4, 8), torch.randn(4, 2)))

@@ -9,7 +9,8 @@ op for op on clones of the parameters and state (functionalize turns its in-plac
 the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run if they change). Buffers
 (batch-norm running stats) are updated in place, exactly as eager mode does. `Step.run` executes the captured
 graph on real tensors and writes the results back into the model and the optimizer, so the model's parameters
-and the optimizer's state stay the truth.
+and the optimizer's state stay the truth. Custom autograd.Functions are traced with their own backward
+(`autograd_functions`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.func import functional_call, functionalize
 from torch.fx import GraphModule
 
 from . import guards, precision
+from .autograd_functions import custom_functions
 from .errors import FasttError, FasttWarning
 from .loss import Reduction, reduction_of
 
@@ -624,7 +626,7 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         weight = torch.ones((), dtype=torch.float64)
     fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm, autocast)
     try:
-        with _portable_kernels(), _plain_checkpoints() as checkpointed:
+        with _portable_kernels(), _plain_checkpoints() as checkpointed, custom_functions():
             gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
                               example_inputs)
         if checkpointed:
