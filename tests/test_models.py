@@ -298,3 +298,32 @@ def test_an_in_place_custom_function_is_refused_by_name() -> None:
     model = Doubled(8, 2)
     with pytest.raises(FasttError, match="InPlace changes its input in place"):
         fastt.capture(model, nn.functional.mse_loss, sgd(model.parameters()), (torch.randn(4, 8), torch.randn(4, 2)))
+
+
+def mixtral(experts: str = "grouped_mm") -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation=experts))
+
+
+def test_mixtral_trains_as_eager() -> None:
+    """transformers' Mixtral runs its experts with `aten._grouped_mm` by default, whose fake kernel refuses float32
+    (`fastt.fake_kernels`); the routing's offsets are computed in the step."""
+    moe = mixtral()
+    assert moe.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, VOCAB, (4, 16))
+    batches = [reference.batch_like((ids, ids), seed) for seed in range(3)]
+    assert_trains_as_eager(lambda: Logits(copy.deepcopy(moe)), sgd, lm_loss, (ids, ids), batches, "dp")
+
+
+def test_a_grouped_matmul_costs_the_flops_of_the_batched_matmuls_it_stands_for() -> None:
+    """Mixtral's experts as one grouped matmul (`coarsen.grouped_mm_flop`) or, with experts_implementation
+    "batched_mm", as batched matmuls that torch's flop counter knows: the step's FLOPs are the same."""
+    ids = torch.randint(0, VOCAB, (4, 16))
+    flops = []
+    for experts in ("grouped_mm", "batched_mm"):
+        model = Logits(mixtral(experts))
+        graph = fastt.capture(model, lm_loss, sgd(model.parameters()), (ids, ids))
+        flops.append(sum(op.flops for op in graph.ops))
+    assert flops[0] == flops[1] > 0

@@ -10,7 +10,8 @@ the optimizer's hyperparameters baked in as constants (`Step.run` refuses to run
 (batch-norm running stats) are updated in place, exactly as eager mode does. `Step.run` executes the captured
 graph on real tensors and writes the results back into the model and the optimizer, so the model's parameters
 and the optimizer's state stay the truth. Custom autograd.Functions are traced with their own backward
-(`autograd_functions`).
+(`autograd_functions`), and a grouped matmul in float32 on the CPU with the fake kernel PyTorch's
+lacks (`fake_kernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.fx import GraphModule
 from . import guards, precision
 from .autograd_functions import custom_functions
 from .errors import FasttError, FasttWarning
+from .fake_kernels import cpu_kernels
 from .loss import Reduction, reduction_of
 
 # Per optimizer class: the state keys it keeps per parameter, in the order the graph takes them.
@@ -626,7 +628,7 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
         weight = torch.ones((), dtype=torch.float64)
     fn = _step_fn(model, loss_fn, optimizer, names, buffer_names, groups, keys, clip_grad_norm, autocast)
     try:
-        with _portable_kernels(), _plain_checkpoints() as checkpointed, custom_functions():
+        with _portable_kernels(), _plain_checkpoints() as checkpointed, custom_functions(), cpu_kernels():
             gm = guards.trace(functionalize(fn), (params, buffers, states, *example_inputs, hypers, weight),
                               example_inputs)
         if checkpointed:

@@ -48,10 +48,20 @@ MUTATES = {
     aten._native_batch_norm_legit.default: (3, 4),
 }
 
+def grouped_mm_flop(a: torch.Tensor, b: torch.Tensor, *_: object, out_val: torch.Tensor, **__: object) -> int:
+    """FLOPs of `aten._grouped_mm` (a mixture of experts' matmuls): every output element is a dot product over
+    `a`'s last dim, except where both operands are 2D, when the groups split that dim and each group's output
+    is a block of its own (a weight's gradient): 2 * rows * inner * cols."""
+    if a.dim() == b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
 # FLOP formulas torch's flop counter lacks: the CPU flash-attention kernels count as attention does.
 EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+    aten._grouped_mm: grouped_mm_flop,
 }
 
 # Hyperparameters and the loss weight are read-only inputs of the step, as buffers that nothing writes are:
