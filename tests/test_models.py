@@ -327,3 +327,42 @@ def test_a_grouped_matmul_costs_the_flops_of_the_batched_matmuls_it_stands_for()
         graph = fastt.capture(model, lm_loss, sgd(model.parameters()), (ids, ids))
         flops.append(sum(op.flops for op in graph.ops))
     assert flops[0] == flops[1] > 0
+
+
+class FlatTargets(nn.Module):
+    """A language model whose targets come flattened, (batch * length,), beside tokens (batch, length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.hidden, self.head = nn.Embedding(VOCAB, 32), nn.Linear(32, 32), nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.emb(ids)))).reshape(-1, VOCAB)
+
+
+def test_a_target_whose_rows_are_not_the_batch_trains_unreplicated_and_dp_says_why() -> None:
+    ids = torch.randint(0, VOCAB, (8, 12))
+    example = (ids, torch.randint(0, VOCAB, (8 * 12,)))
+    batches = [reference.batch_like(example, seed) for seed in range(3)]
+    assert_trains_as_eager(FlatTargets, sgd, nn.functional.cross_entropy, example, batches, "fx")
+    model = FlatTargets()
+    opt = sgd(model.parameters())
+    strategy = fastt.plan(fastt.capture(model, nn.functional.cross_entropy, opt, example), "cpu:2", "dpos")
+    assert strategy.replicas == 1 and len(set(strategy.placement.values())) == 2
+    step = parallelize(model, nn.functional.cross_entropy, opt, example, "cpu:2", strategy=strategy)
+    ref = FlatTargets()
+    ref_opt = sgd(ref.parameters())
+    for batch in batches:
+        torch.testing.assert_close(step(*batch), reference.eager_step(ref, nn.functional.cross_entropy, ref_opt,
+                                                                      batch), rtol=1e-5, atol=1e-6)
+    model = FlatTargets()
+    with pytest.raises(FasttError, match=r"input 1 .* has shape \[96\]: replicas split every input"):
+        parallelize(model, nn.functional.cross_entropy, sgd(model.parameters()), example, "cpu:2", "dp")
+
+
+def test_a_compiled_model_is_refused_with_what_to_pass() -> None:
+    model = nn.Linear(8, 2)
+    with pytest.raises(FasttError, match=r"torch.compile's wrapper.*model._orig_mod"):
+        fastt.capture(torch.compile(model), nn.functional.mse_loss, sgd(model.parameters()),
+                      (torch.randn(4, 8), torch.randn(4, 2)))

@@ -17,6 +17,7 @@ lacks (`fake_kernels`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -607,6 +608,10 @@ def capture_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Opt
     precision.check(autocast)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise FasttError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile, slow to import here
+    if compiled is not None and isinstance(model, compiled.OptimizedModule):
+        raise FasttError("the model is torch.compile's wrapper, which fastt cannot trace: pass the module "
+                         "itself (`model._orig_mod`, the same parameters); fastt runs the step its own way")
     example_inputs = tuple(example_inputs)
     if len(example_inputs) < 2:
         raise FasttError("example_inputs must hold the model's inputs followed by the target")

@@ -279,7 +279,9 @@ def _real_inputs(graph: OpGraph, model: torch.nn.Module, optimizer: torch.optim.
                  example_inputs: Sequence[torch.Tensor]) -> tuple[str, list]:
     """(the device kind, the step's graph inputs) of `graph` on `example_inputs`' first `graph.batch` rows,
     read from the model and optimizer."""
-    inputs = tuple(x[:graph.batch] for x in example_inputs)
+    inputs = tuple(example_inputs)
+    if graph.batch != inputs[0].shape[0]:  # a replica's step (every input has the batch's rows first)
+        inputs = tuple(x[:graph.batch] for x in inputs)
     want = [dtype for _, dtype in graph.fx.structure.get("the batch's shapes and dtypes", ())]
     if want and [x.dtype for x in inputs] != want:  # else a worker's KeyError or a kernel's dtype complaint
         raise FasttError(f"measure: example_inputs are {len(inputs)} tensors of "

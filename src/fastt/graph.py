@@ -227,6 +227,12 @@ def _replica_step(graph: OpGraph, n: int, traced: bool = False) -> OpGraph:
     if graph.batch % n:
         raise FasttError(f"batch {graph.batch} of '{graph.name}' does not split into {n} equal replicas: "
                          f"use a batch divisible by {n}")
+    shapes = graph.fx.structure.get("the batch's shapes and dtypes", ()) if graph.fx and n > 1 else ()
+    for k, (shape, _) in enumerate(shapes):
+        if not shape or shape[0] != graph.batch:
+            raise FasttError(f"input {k} of '{graph.name}''s batch has shape {list(shape)}: replicas split "
+                             f"every input along its first dimension, the batch ({graph.batch} rows, input "
+                             "0's); give each input the batch's rows first (reshape a target inside loss_fn)")
     sub = rebatch(graph, graph.batch // n, traced)
     loss_weights(graph, sub, n)  # refuses a loss that replicas cannot compute
     return sub

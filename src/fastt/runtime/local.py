@@ -486,7 +486,7 @@ def replica_envs(low: Lowered, programs: Programs, params: Sequence[torch.Tensor
     if batch[0].shape[0] % r:
         raise FasttError(f"batch {batch[0].shape[0]} does not split into {r} replicas")
     b = batch[0].shape[0] // r
-    shares = [[x[k * b:(k + 1) * b] for x in batch] for k in range(r)]
+    shares = [[x[k * b:(k + 1) * b] for x in batch] for k in range(r)] if r > 1 else [list(batch)]
     return replica_tables(low, programs, params, buffers, states, shares, hypers, low.weights.of(shares))
 
 
