@@ -48,6 +48,7 @@ MUTATES = {
     aten._native_batch_norm_legit.default: (3, 4),
 }
 
+
 def grouped_mm_flop(a: torch.Tensor, b: torch.Tensor, *_: object, out_val: torch.Tensor, **__: object) -> int:
     """FLOPs of `aten._grouped_mm` (a mixture of experts' matmuls): every output element is a dot product over
     `a`'s last dim, except where both operands are 2D, when the groups split that dim and each group's output
