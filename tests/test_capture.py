@@ -83,6 +83,8 @@ def test_recurrent_models_against_eager_onednn(name: str) -> None:
     lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
     lambda ps: torch.optim.RMSprop(ps, lr=1e-2, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01),
     lambda ps: torch.optim.RMSprop(ps, lr=1e-2, maximize=True),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2, maximize=True),
 ])
 def test_optimizer_hyperparameters_and_batch_norm(make) -> None:
     torch.manual_seed(0)
@@ -143,8 +145,8 @@ def test_untraceable_model_is_a_fastt_error() -> None:
 
 def test_unsupported_optimizer_is_a_fastt_error() -> None:
     m = torch.nn.Linear(4, 2)
-    with pytest.raises(FasttError, match="unsupported optimizer Adamax"):
-        capture_step(m, torch.nn.functional.cross_entropy, torch.optim.Adamax(m.parameters()),
+    with pytest.raises(FasttError, match="unsupported optimizer NAdam"):
+        capture_step(m, torch.nn.functional.cross_entropy, torch.optim.NAdam(m.parameters()),
                      (torch.randn(3, 4), torch.tensor([0, 1, 0])))
 
 

@@ -110,17 +110,20 @@ GROUPED = {
                                               lr=0.01, weight_decay=1e-3),
     "rmsprop": lambda ps: torch.optim.RMSprop([{"params": ps[:2], "momentum": 0.9, "centered": True},
                                                {"params": ps[2:], "alpha": 0.9}], lr=1e-3),
+    "adamax": lambda ps: torch.optim.Adamax([{"params": ps[:2], "betas": (0.8, 0.99)},
+                                             {"params": ps[2:], "weight_decay": 1e-3}], lr=2e-3),
 }
 
 
-# Adam only on plans without replicas: Adam's first steps are about the sign of each gradient element, and one
-# that is zero in exact arithmetic (attention's key bias, a ReLU at its kink) is rounding noise whose sign a sum in
-# another order (the replicas' mean against one device's sum) flips, moving it by 2 lr.
+# Adam and Adamax only on plans without replicas: Adam's first steps are about the sign of each gradient element,
+# and one that is zero in exact arithmetic (attention's key bias, a ReLU at its kink) is rounding noise whose sign
+# a sum in another order (the replicas' mean against one device's sum) flips, moving it by 2 lr.
 @pytest.mark.parametrize("name,optimizer,planner", [("mlp", "sgd", "dp"), ("lenet", "sgd", "fastt"),
                                                     ("transformer", "sgd", "dp"), ("transformer", "adamw", "single"),
                                                     ("lenet", "adamw", "dpos"), ("mlp", "adagrad", "dp"),
                                                     ("mlp", "adagrad", "single"), ("mlp", "rmsprop", "zero"),
-                                                    ("mlp", "rmsprop", "single")])
+                                                    ("mlp", "rmsprop", "single"), ("mlp", "adamax", "single"),
+                                                    ("lenet", "adamax", "dpos")])
 def test_a_schedule_over_param_groups(name: str, optimizer: str, planner: str) -> None:
     """Param groups with their own learning rates, momentum and weight decay, stepped by one scheduler."""
     def make() -> tuple:
@@ -325,9 +328,9 @@ def test_changes_the_step_cannot_follow_are_refused_by_name() -> None:
 
 def test_unsupported_optimizer_is_refused_with_the_list() -> None:
     model, loss_fn, _, inputs = mlp()
-    with pytest.raises(FasttError, match="unsupported optimizer Adamax: fastt captures SGD, Adam, AdamW, Adagrad, "
-                                         "RMSprop"):
-        parallelize(model, loss_fn, torch.optim.Adamax(model.parameters()), inputs, "cpu:2", "single")
+    with pytest.raises(FasttError, match="unsupported optimizer NAdam: fastt captures SGD, Adam, AdamW, Adamax, "
+                                         "Adagrad, RMSprop"):
+        parallelize(model, loss_fn, torch.optim.NAdam(model.parameters()), inputs, "cpu:2", "single")
 
 
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:

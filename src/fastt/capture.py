@@ -43,6 +43,7 @@ _STATE_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
                                  + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
     torch.optim.AdamW: lambda g: (("step", "exp_avg", "exp_avg_sq")
                                   + (("max_exp_avg_sq",) if g["amsgrad"] else ())),
+    torch.optim.Adamax: lambda g: ("step", "exp_avg", "exp_inf"),
     torch.optim.Adagrad: lambda g: ("step", "sum"),
     torch.optim.RMSprop: lambda g: (("step", "square_avg")
                                     + (("momentum_buffer",) if g["momentum"] > 0 else ())
@@ -77,6 +78,8 @@ _HYPER_KEYS: dict[type, Callable[[dict], tuple[str, ...]]] = {
     + (("weight_decay",) if g["weight_decay"] != 0 else ()),
     torch.optim.Adam: lambda g: _adam_keys(g, False),
     torch.optim.AdamW: lambda g: _adam_keys(g, True),
+    torch.optim.Adamax: lambda g: (("lr", "beta1", "beta2", "1-beta1", "eps")
+                                   + (("weight_decay",) if g["weight_decay"] != 0 else ())),
     torch.optim.Adagrad: lambda g: (("lr", "lr_decay", "eps")
                                     + (("weight_decay",) if g["weight_decay"] != 0 else ())),
     torch.optim.RMSprop: lambda g: (("-lr", "alpha", "1-alpha", "eps")
@@ -152,6 +155,9 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
         if isinstance(optimizer, (torch.optim.Adagrad, torch.optim.RMSprop)):
             _adagrad_or_rmsprop(optimizer, group, hyper, p, g, st)
             continue
+        if isinstance(optimizer, torch.optim.Adamax):
+            _adamax(hyper, p, g, st)
+            continue
         step, exp_avg, exp_avg_sq = st[0], st[1], st[2]
         step.add_(1)
         if "1-lr*weight_decay" in hyper:
@@ -172,6 +178,18 @@ def _update(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torc
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper["eps"])
         # addcdiv computes self + value * t1 / t2, left to right: keep that order.
         p.add_(exp_avg.mul(-step_size).div(denom))
+
+
+def _adamax(hyper: dict[str, torch.Tensor], p: torch.Tensor, g: torch.Tensor, st: list) -> None:
+    """Adamax's update of one parameter, op for op as torch.optim's single-tensor path (see `_update`)."""
+    step, exp_avg, exp_inf = st
+    step.add_(1)
+    if "weight_decay" in hyper:
+        g = g.add(p * hyper["weight_decay"])
+    exp_avg.lerp_(g, hyper["1-beta1"])
+    exp_inf.copy_(torch.maximum(exp_inf.mul_(hyper["beta2"]), g.abs().add_(hyper["eps"])))
+    clr = ((1 - hyper["beta1"] ** step.to(torch.float64)).reciprocal() * hyper["lr"]).to(p.dtype)
+    p.add_(exp_avg.mul(-clr).div(exp_inf))
 
 
 def _adagrad_or_rmsprop(optimizer: torch.optim.Optimizer, group: dict, hyper: dict[str, torch.Tensor],
