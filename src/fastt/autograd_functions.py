@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,49 +32,31 @@ from .errors import FasttError
 
 
 class _Recorded:
-    """The ctx an old-style forward writes to: its saved tensors, the outputs it marks non-differentiable,
-    whether to materialize missing gradients, and any attribute it sets (read back by its backward)."""
+    """The ctx an old-style forward writes to and its backward reads: any attribute the forward sets, as on a
+    real ctx, and (apart, under `_fastt`, so that no attribute of the Function's own shadows them) its saved
+    tensors, the outputs it marks non-differentiable and whether to materialize missing gradients."""
 
     def __init__(self, name: str, needs_input_grad: tuple[bool, ...]) -> None:
-        vars(self).update(name=name, saved=(), non_differentiable=(), materialize=True,
-                          attrs={"needs_input_grad": needs_input_grad})
-
-    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
-        vars(self)["saved"] = tensors
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        vars(self)["non_differentiable"] += tensors
-
-    def set_materialize_grads(self, value: bool) -> None:
-        vars(self)["materialize"] = value
-
-    def mark_dirty(self, *_: torch.Tensor) -> None:
-        raise FasttError(f"the custom autograd.Function {self.name} changes its input in place "
-                         "(ctx.mark_dirty): fastt traces the step functionally; return a new tensor from its "
-                         "forward instead")
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self.attrs[key] = value
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return vars(self)["attrs"][key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-
-class _Replayed:
-    """The ctx an old-style backward reads: what its forward recorded, the tensors it saved included."""
-
-    def __init__(self, recorded: _Recorded) -> None:
-        self._recorded = recorded
+        self._fastt = SimpleNamespace(name=name, saved=(), non_differentiable=(), materialize=True, marked=())
+        self.needs_input_grad = needs_input_grad
 
     @property
     def saved_tensors(self) -> tuple:
-        return self._recorded.saved
+        return self._fastt.saved
 
-    def __getattr__(self, key: str) -> Any:
-        return getattr(self._recorded, key)
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        self._fastt.saved = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        self._fastt.non_differentiable += tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self._fastt.materialize = value
+
+    def mark_dirty(self, *_: torch.Tensor) -> None:
+        raise FasttError(f"the custom autograd.Function {self._fastt.name} changes its input in place "
+                         "(ctx.mark_dirty): fastt traces the step functionally; return a new tensor from its "
+                         "forward instead")
 
 
 def _new_style(cls: type[torch.autograd.Function], args: tuple) -> type[torch.autograd.Function]:
@@ -85,19 +68,19 @@ def _new_style(cls: type[torch.autograd.Function], args: tuple) -> type[torch.au
         def forward(*inputs: Any) -> Any:
             out = cls.forward(recorded, *inputs)
             outs = out if isinstance(out, tuple) else (out,)
-            vars(recorded)["marked"] = [k for k, y in enumerate(outs)
-                                        if any(y is x for x in recorded.non_differentiable)]
+            book = recorded._fastt
+            book.marked = [k for k, y in enumerate(outs) if any(y is x for x in book.non_differentiable)]
             return out
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
             outs = output if isinstance(output, tuple) else (output,)
-            ctx.mark_non_differentiable(*(outs[k] for k in recorded.marked))
-            ctx.set_materialize_grads(recorded.materialize)
+            ctx.mark_non_differentiable(*(outs[k] for k in recorded._fastt.marked))
+            ctx.set_materialize_grads(recorded._fastt.materialize)
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            return cls.backward(_Replayed(recorded), *grads)
+            return cls.backward(recorded, *grads)
 
     Replay.__name__ = Replay.__qualname__ = cls.__name__
     return Replay
