@@ -491,6 +491,49 @@ def test_launch_trains_from_a_dataset_each_rank_its_shard_with_clipping(tmp_path
     assert out["max_param_rel_diff"] <= 1e-5 and [x["replicas"] for x in out["results"]] == [2, 1]
 
 
+def test_a_one_process_plan_reads_the_whole_batch_on_every_rank(tmp_path: Path) -> None:
+    """A one-process plan (the whole step on rank 0) under torchrun (`fastt.launch`): every rank reads the
+    whole batch, as one process does, of the Dataset too (over more than one epoch), and no rows travel; each
+    step equals the plain one-device eager step on that batch."""
+    from fastt.workload import call_file
+
+    model, loss_fn, opt, inputs = call_file(f"{MODELS}:masked")
+    graph = fastt.capture(model, loss_fn, opt, inputs)
+    fastt.plan(graph, "cpu:2", "single").save(tmp_path / "one.json")
+    for data in ((), ("--data", f"{MODELS}:tokens")):
+        rc, _, err = run(2, "--model", f"{MODELS}:masked", *data, "--planners", "fastt", "--strategy",
+                         str(tmp_path / "one.json"), "--steps", "12", "--check", "--out", str(tmp_path / "out.json"))
+        assert rc == 0, err[-3000:]
+        out = json.loads((tmp_path / "out.json").read_text())
+        one, = out["results"]
+        assert one["whole_batch"] and one["replicas"] == 1, out
+        assert out["max_param_rel_diff"] <= 1e-5, out
+
+
+def test_the_whole_batches_are_the_ranks_shards_side_by_side() -> None:
+    """`launch._Batches`: rank r's batches are a DistributedSampler's (shuffled, seed 0) in a DataLoader of B/world
+    samples, as before; the whole batch of a step is the ranks' batches of that step, rank 0's first, every
+    epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from fastt.launch import _Batches
+
+    data = TensorDataset(torch.arange(42))
+    for epoch in range(3):
+        shards = []
+        for rank in range(3):
+            sampler = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            plain = [b[0] for b in DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)]
+            ours = _Batches(data, 12, rank, 3, lambda: False)
+            ours.set_epoch(epoch)
+            assert [b.tolist() for b in plain] == list(ours) and len(plain) == 3
+            shards.append(plain)
+        whole = _Batches(data, 12, 1, 3, lambda: True)
+        whole.set_epoch(epoch)
+        assert list(whole) == [torch.cat(step).tolist() for step in zip(*shards)]
+
+
 # Expert (mixed) plans over 2 gloo ranks: layers held once, tables on their own rank, a pipeline's micro-batches.
 MIXED = [("dlrm", "owt,table-wise")] + ([("bert-base", "owt,table-wise,pipeline"), ("vgg19", "owt,pipeline"),
                                         ("gpt2", "pipeline,table-wise")] if FULL else [])

@@ -7,7 +7,9 @@ Every rank builds the same workload (seed 0) and trains on its own shard of ever
 [r·B/world, (r+1)·B/world) of a batch of B, the model's example batch size): of batches like the example one
 (`batch_like`), or with `--data FILE.py:FUNCTION` of the torch Dataset that function returns, read through a
 `DistributedSampler` (shuffled, seed 0, a new order every epoch) and a DataLoader of B/world samples, as a DDP
-training script reads it. `--check` compares every step with the plain one-device eager step on the whole
+training script reads it. While the plan is one process (the whole step on rank 0,
+`DistributedStep.one_process`), every rank reads the whole batch instead, as one process does, and no rows
+travel. `--check` compares every step with the plain one-device eager step on the whole
 batch (with `--data`, the ranks' shards gathered). Rank 0 prints the result (as `fastt run` does) and, with
 `--out`, writes it as JSON. Multi-node: run torchrun on every node with `--nnodes`, `--node-rank` and a
 rendezvous endpoint, as usual. A rank that fails or loses a peer exits non-zero with a message naming the rank
@@ -88,10 +90,12 @@ def _fault(rank: int, step: int) -> contextlib.AbstractContextManager:
 
 
 def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data.DataLoader | None,
-            device: torch.device, whole: bool
+            device: torch.device, whole: bool, one_process: Callable[[], bool] = lambda: False
             ) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
-    """`steps` batches, like `inputs` or from `loader` (this rank's, from its first epoch): this rank's shard
-    of each and, if `whole`, the whole batch (a collective then)."""
+    """`steps` batches, like `inputs` or from `loader` (`_loader`'s, from its first epoch): what this rank
+    passes the step, its shard of each or, while `one_process()` (the plan runs the whole step on rank 0),
+    the whole batch as one process reads it, so that no rows travel; and, if `whole`, the whole batch (a
+    collective then, where the rank holds its shard only)."""
     from .runtime.distributed import whole_batch
     from .runtime.reference import batch_like
     from .runtime.shards import shard_of
@@ -99,23 +103,53 @@ def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data
     if loader is None:
         for i in range(steps):
             b = [x.to(device) for x in batch_like(inputs, i)]
-            yield shard_of(b, dist.get_rank(), dist.get_world_size()), b if whole else None
+            mine = b if one_process() else shard_of(b, dist.get_rank(), dist.get_world_size())
+            yield mine, b if whole else None
         return
     step, epoch = 0, 0
     while step < steps:
-        loader.sampler.set_epoch(epoch)
-        for b in loader:
-            shard = [x.to(device) for x in b]
-            yield shard, whole_batch(shard) if whole else None
+        loader.batch_sampler.set_epoch(epoch)
+        for b in loader:  # the sampler reads `one_process` as each batch is drawn
+            mine = [x.to(device) for x in b]
+            yield mine, (mine if loader.batch_sampler.whole() else whole_batch(mine)) if whole else None
             step += 1
             if step == steps:
                 return
         epoch += 1
 
 
+class _Batches(torch.utils.data.Sampler):
+    """Rank `rank`'s batches of `batch` samples' shards: the indices a `DistributedSampler` (shuffled, seed 0,
+    a new order every epoch) and a DataLoader of batch/world samples give it, as a DDP training script reads
+    them; or, while `whole()`, the same step's shards of every rank side by side, rank 0's first: the whole
+    batch, as one process reads it."""
+
+    def __init__(self, data: torch.utils.data.Dataset, batch: int, rank: int, world: int,
+                 whole: Callable[[], bool]) -> None:
+        from torch.utils.data import DistributedSampler
+
+        self.samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)
+                         for r in range(world)]
+        self.rank, self.shard, self.whole = rank, batch // world, whole
+
+    def set_epoch(self, epoch: int) -> None:
+        for s in self.samplers:
+            s.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.samplers[0]) // self.shard  # whole batches only (drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        orders = [list(s) for s in self.samplers]
+        for i in range(len(self)):
+            ranks = orders if self.whole() else [orders[self.rank]]
+            yield [j for order in ranks for j in order[i * self.shard:(i + 1) * self.shard]]
+
+
 def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.DataLoader:
-    """Rank `rank`'s DataLoader of the Dataset `spec` returns: its shard of every batch of `batch` samples."""
-    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+    """Rank `rank`'s DataLoader of the Dataset `spec` returns: its shard of every batch of `batch` samples,
+    or the whole batch while its sampler's `whole()` (`_Batches`; the training loop sets it)."""
+    from torch.utils.data import DataLoader, Dataset
 
     from .workload import call_file
 
@@ -125,8 +159,7 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
     if batch % world:
         raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch "
                          f"divisible by {world}")
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=batch // world, sampler=sampler, drop_last=True)
+    loader = DataLoader(data, batch_sampler=_Batches(data, batch, rank, world, lambda: False))
     if not len(loader):
         raise FasttError(f"--data {spec}: its {len(data)} samples make no batch of {batch} "
                          f"over {world} ranks")
@@ -210,7 +243,10 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     check = args.check or args.check_steps
     ref = make() if check and rank == 0 else None
     times, step_diffs, tuned = [], [], 0
-    for i, (shard, whole) in enumerate(batches(args.steps, inputs, loader, rank_device(), check)):
+    if loader is not None:  # one process: rank 0 reads the whole batch, as plain PyTorch does
+        loader.batch_sampler.whole = lambda: step.one_process
+    for i, (mine, whole) in enumerate(batches(args.steps, inputs, loader, rank_device(), check,
+                                              lambda: step.one_process)):
         replicas = step.strategy.replicas
         if ref is not None:  # the reference takes this step from our state, drawing what the step will
             take_state(model, opt, ref[1], ref[3])
@@ -219,7 +255,7 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
         dist.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         with _fault(rank, i):  # the others are in the step, waiting for this rank
-            step(*shard)  # on a GPU it ends once the GPU is done
+            step(*mine)  # on a GPU it ends once the GPU is done
         times.append(time.perf_counter() - t0)
         if check:  # rank 0's model is read: it gets what the other ranks keep
             step.sync()
@@ -233,6 +269,7 @@ def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tu
     row = {"planner": planner, "measured_iteration_s": measured, "simulated_iteration_s": step.simulated_s,
            "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
            "splits": len(step.strategy.splits), "setup_s": setup_s, "joins_s": step.joins_s(),
+           "whole_batch": step.one_process,  # the last step's: every rank read the whole batch
            "trial": step.trial._asdict() if step.trial else None,
            "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
     if step_diffs:

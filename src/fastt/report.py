@@ -179,15 +179,18 @@ def format_run(out: dict) -> str:
                          f"allreduce means computed {means} (simulated on links: "
                          f"{r['simulated_allreduce_s'] * 1e3:.1f})")
     # the one-device rival: locally a worker device with every core; under torchrun rank 0's device alone
-    one = "one process" if out.get("launcher") == "torchrun" else "one device on every core"
+    ranks = out.get("launcher") == "torchrun"
+    one = "one process" if ranks else "one device on every core"
+    shards = ", each rank on its shard" if ranks else ""
     for r in out["results"]:
         if t := r.get("trial"):
             rivals = [f"{name} {t[k] * 1e3:.1f} ms" for name, k in (("dp", "dp_s"), (one, "one_device_s"))
                       if t.get(k) is not None]
             kept = one if t["kept"] == "single" else t["kept"]
+            whole = " (then every rank read the whole batch: no rows sent)" if r.get("whole_batch") else ""
             lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, "
-                         f"{', '.join(rivals)} a step ({t['steps']} steps each): kept {kept} (its setup time "
-                         "includes the trial)")
+                         f"{', '.join(rivals)} a step ({t['steps']} steps each{shards}): kept {kept} "
+                         f"(its setup time includes the trial){whole}")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:
         runs = len(tuned[0]["tuning"])

@@ -97,6 +97,13 @@ class DistributedStep(PlacedStep):
             self._feed, self._layouts = None, {}
 
     @property
+    def one_process(self) -> bool:
+        """Whether the running plan is one process: the whole step on rank 0 (`EagerRankStep`). A loop may
+        then pass every rank the whole batch, as one process reads it, and no rows travel; a rank that
+        passes its shard sends its rows to rank 0."""
+        return False
+
+    @property
     def feed(self) -> Feed:
         """Which rows of the batch each rank holds, and those that travel (made when a shard first comes: a
         batch that does not split into the ranks' shards can still run whole)."""
@@ -464,6 +471,7 @@ class EagerRankStep(DistributedStep):
         super().__init__(*args, **kwargs)
         self.loss_fn, self.clip_grad_norm, self.autocast = loss_fn, clip_grad_norm, autocast
         self._alone: tuple = (None, False)  # (a placed plan, whether it runs on rank 0 alone)
+        self.whole = False  # whether the last step was passed the whole batch (`one_process`): no rows travel
 
     def _on_rank0(self) -> bool:
         """Whether the running plan is one device, rank 0's (not after a `switch` to another)."""
@@ -472,13 +480,18 @@ class EagerRankStep(DistributedStep):
             self._alone = (placed, set(placed.strategy.placement.values()) == {0})
         return self._alone[1]
 
+    @property
+    def one_process(self) -> bool:
+        return self.world > 1 and self._on_rank0()
+
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor | None:
         if not self._on_rank0():  # `switch`ed to another plan: the runtime runs it
             return super().__call__(*batch)
         self.whole_state()
         self._left()  # before the forward: rank 0's guard reads it (inside a trial, another plan's rows)
         low = self.placed.lowered
-        if self.world > 1 and not (batch and batch[0].shape[0] == low.step.batch * low.replicas):
+        self.whole = bool(batch) and batch[0].shape[0] == low.step.batch * low.replicas
+        if self.world > 1 and not self.whole:
             with torch.no_grad(), self._failing():
                 batch = self._fed(batch, traced=False)[0][0]  # rank 0 holds every input of the replica
         if self.rank != 0:
@@ -486,6 +499,14 @@ class EagerRankStep(DistributedStep):
             return None
         with self._failing():
             return self.eager(batch)
+
+    @property
+    def simulated_s(self) -> float:
+        """As `DistributedStep`'s; where the last step was passed the whole batch, rank 0's step alone: no
+        rows travel and rank 0 takes none."""
+        if self.whole and self._on_rank0():
+            return self.placed.simulated_s
+        return super().simulated_s
 
     def agreement_s(self) -> float:
         """None for rank 0's eager step: the other ranks' flags come with their rows (`_told_rank0`); another
