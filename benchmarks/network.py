@@ -105,11 +105,14 @@ def render(data: dict) -> str:
            "the ranks' agreement on the shards and a dry run of the rank's host work before and after the plan's",
            "own ops and messages. `eager` is plain PyTorch in",
            "one process on rank 0 with a rank's one core (the one-process baseline: one device). fastt's plan",
-           "races DP and one process (the whole step on rank 0 as plain PyTorch, the other ranks sending it",
-           "their shards' rows) for 3 steps and keeps the fastest (`kept`). A",
-           "step is timed on every rank from a barrier to the end of its own step, the slowest rank's time",
-           "counting; times are medians of the steps after the first, one run per row, on a machine of 2",
-           "cores: compare within a row.",
+           "races DP and one process (the whole step on rank 0 as plain PyTorch, every rank handed the whole",
+           "batch as one process reads it: no rows travel) for 3 steps and keeps the fastest (`kept`); where",
+           "it keeps one process, the training loop goes on feeding it so (`whole batch`). A loop that passes",
+           "each rank its shard sends rank 0 the rows instead. The planners' steps are taken in turn, 4 at a",
+           "time, so that a slow moment of the",
+           "machine falls on all of them. A step is timed on every rank from a barrier to the end of its own",
+           "step, the slowest rank's time counting; times are medians of the steps after the first, less the",
+           "first of each later block, one run per row, on a machine of 2 cores: compare within a row.",
            "",
            "| ranks | rate | model | link (fitted) | copy | planner | measured ms | simulated ms | error |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -123,8 +126,8 @@ def render(data: dict) -> str:
         for r in row["results"]:
             sim = f"{r['simulated_iteration_s'] * 1e3:.1f}" if r["simulated_iteration_s"] else "-"
             err = f"{r['error'] * 100:+.0f}%" if r["error"] is not None else ""
-            kept = (f" (kept {r['trial']['kept']}{', DP not raced' if r['trial']['dp_s'] is None else ''})"
-                    if r.get("trial") else "")
+            kept = (f" (kept {r['trial']['kept']}{', DP not raced' if r['trial']['dp_s'] is None else ''}"
+                    f"{', whole batch' if r.get('whole_batch') else ''})" if r.get("trial") else "")
             out.append(f"| {row['devices'].split(':')[1]} | {row['network']} | {row['model']} | {fitted} | "
                        f"{copy} | {r['planner']}{kept} | {r['measured_iteration_s'] * 1e3:.1f} | {sim} | {err} |")
     checked = [row for row in rows if row.get("max_param_rel_diff") is not None]
@@ -153,7 +156,9 @@ WHY = ["## Where the simulator and the runtime part", "",
        "  posts the receive of the next step's rows during this step (`_Ahead`): in a loop without barriers",
        "  its time to take them went from 0.65 to 0.43-0.55 ms (resnet50's from 3.3-3.4 to 0.9), the whole",
        "  step's change inside the noise, and each row here is timed from a barrier, after which rank 1 still",
-       "  packs and sends them while rank 0 waits.",
+       "  packs and sends them while rank 0 waits. Where fastt keeps one process, its loop now hands every",
+       "  rank the whole batch instead (`DistributedStep.one_process`), and races one process so too",
+       "  (`parallelize_distributed(whole_batches=True)`), so its rows here have none of this.",
        "- megatron: at the end of a step the parts of each tensor-parallel weight and of its state are",
        "  gathered on every rank that reads the weight (`wiring._chained_end`; bert-base: 9.7 MB a step), which",
        "  the simulated step now counts (`joins_s`; -44% before). Keeping each rank's own part in place, as",

@@ -146,16 +146,24 @@ class _Batches(torch.utils.data.Sampler):
             yield [j for order in ranks for j in order[i * self.shard:(i + 1) * self.shard]]
 
 
-def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.DataLoader:
-    """Rank `rank`'s DataLoader of the Dataset `spec` returns: its shard of every batch of `batch` samples,
-    or the whole batch while its sampler's `whole()` (`_Batches`; the training loop sets it)."""
-    from torch.utils.data import DataLoader, Dataset
+def _dataset(spec: str) -> torch.utils.data.Dataset:
+    """The torch Dataset the function `spec` returns (`--data`)."""
+    from torch.utils.data import Dataset
 
     from .workload import call_file
 
     data = call_file(spec)
     if not isinstance(data, Dataset):
         raise FasttError(f"--data {spec} returned {type(data).__name__}, not a torch.utils.data.Dataset")
+    return data
+
+
+def _loader(data: torch.utils.data.Dataset, spec: str, batch: int, rank: int,
+            world: int) -> torch.utils.data.DataLoader:
+    """Rank `rank`'s DataLoader of `data` (`--data spec`): its shard of every batch of `batch` samples, or the
+    whole batch while its sampler's `whole()` (`_Batches`; the training loop sets it)."""
+    from torch.utils.data import DataLoader
+
     if batch % world:
         raise FasttError(f"a batch of {batch} does not split into {world} ranks' shards: use a batch "
                          f"divisible by {world}")
@@ -167,7 +175,10 @@ def _loader(spec: str, batch: int, rank: int, world: int) -> torch.utils.data.Da
 
 
 def train(args: argparse.Namespace) -> dict | None:
-    """Every planner in turn, from the same start; rank 0 returns the `fastt run` result dict."""
+    """Every planner from the same start, their steps taken in turn, BLOCK steps at a time (as `fastt run`
+    does locally, `runtime.bench.run_planners`: a slow moment of the machine falls on all of them, not on one
+    planner's run of steps); rank 0 returns the `fastt run` result dict."""
+    from .runtime.bench import BLOCK
     from .runtime.distributed import rank_cluster, rank_device
     from .workload import load_workload, model_name
 
@@ -179,26 +190,24 @@ def train(args: argparse.Namespace) -> dict | None:
         return name, model.to(device), loss_fn, opt, tuple(x.to(device) for x in inputs)
 
     # Batches of the example's size; a bad --data fails before the ranks calibrate.
-    loader = _loader(args.data, make()[4][0].shape[0], rank, dist.get_world_size()) if args.data else None
+    data = _dataset(args.data) if args.data else None
+    size = make()[4][0].shape[0] if data is not None else 0
+
+    def loader() -> torch.utils.data.DataLoader | None:  # each planner its own
+        return None if data is None else _loader(data, args.data, size, rank, dist.get_world_size())
+
+    loader()
     cl = rank_cluster(device)
-    results, worst, clip = [], 0.0, args.clip_grad_norm
-    for planner in args.planners.split(","):
-        # plain PyTorch in one process (rank 0), the others idle: the one-process baseline
-        if planner == "eager":
-            _, model, loss_fn, opt, inputs = make()
-            results.append({
-                "planner": "eager",
-                "measured_iteration_s": _eager_time(model, loss_fn, opt, inputs, args.steps, clip,
-                                                    dtype_of(args.precision)),
-                "simulated_iteration_s": None, "error": None,
-            })
-            continue
-        results.append(_train_planner(args, planner, make, loader, cl))
-        if not results[-1].get("not_compared"):  # else reported apart (`reference.not_compared`)
-            worst = max(worst, results[-1].get("max_step_rel_diff", 0.0))
-        dist.barrier()
+    runs = [_Eager(args, make) if planner == "eager" else _Planner(args, planner, make, loader(), cl)
+            for planner in args.planners.split(",")]
+    for start in range(0, args.steps, BLOCK):
+        for run in runs:
+            run.block(start, min(start + BLOCK, args.steps))
+    results = [run.result(BLOCK) for run in runs]
+    worst = max([r.get("max_step_rel_diff", 0.0) for r in results if not r.get("not_compared")], default=0.0)
     if rank != 0:
         return None
+    clip = args.clip_grad_norm
     return {"model": model_name(args.model), "devices": cl.name, "launcher": "torchrun",
             "nodes": len({d.node for d in cl.devices}),
             "links": {lk.name.split(":")[0]: {"latency_s": lk.latency, "bandwidth": lk.bandwidth}
@@ -214,88 +223,122 @@ def train(args: argparse.Namespace) -> dict | None:
             "precision": args.precision}
 
 
-def _train_planner(args: argparse.Namespace, planner: str, make: Callable[[], tuple],
-                   loader: torch.utils.data.DataLoader | None, cl) -> dict:
-    """`args.steps` steps of `planner`'s plan from make()'s start: this rank's result row (timed on every
-    rank, checked against the eager step on rank 0)."""
-    from .runtime.distributed import parallelize_distributed, rank_device
-    from .runtime.reference import (
-        drawing_again,
-        eager_reference_step,
-        max_param_rel_diff,
-        not_compared,
-        take_state,
-    )
-    from .runtime.trial import TRIAL_STEPS
+def _counted(times: Sequence[float], first: int, block: int) -> list[int]:
+    """The steps whose times count: from `first` on, less the first of each later block (its caches another
+    planner's steps left), else the last half."""
+    counted = [k for k in range(len(times)) if k >= first and k % block]
+    return counted or list(range(len(times)))[-max(1, len(times) // 2):]
 
-    rank, clip, autocast = dist.get_rank(), args.clip_grad_norm, dtype_of(args.precision)
-    _, model, loss_fn, opt, inputs = make()
-    strategy = Strategy.load(args.strategy) if args.strategy else None
-    t0 = time.perf_counter()
-    step = parallelize_distributed(model, loss_fn, opt, inputs, planner, strategy=strategy, cl=cl,
-                                   timeout_s=args.timeout, trial_steps=TRIAL_STEPS if args.trial else 0,
-                                   tune=args.tune and planner == "fastt", clip_grad_norm=clip,
-                                   autocast=autocast)
-    setup_s = time.perf_counter() - t0
-    if args.save_plans and rank == 0:
-        os.makedirs(args.save_plans, exist_ok=True)
-        step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
-    check = args.check or args.check_steps
-    ref = make() if check and rank == 0 else None
-    times, step_diffs, tuned = [], [], 0
-    if loader is not None:  # one process: rank 0 reads the whole batch, as plain PyTorch does
-        loader.batch_sampler.whole = lambda: step.one_process
-    for i, (mine, whole) in enumerate(batches(args.steps, inputs, loader, rank_device(), check,
-                                              lambda: step.one_process)):
-        replicas = step.strategy.replicas
-        if ref is not None:  # the reference takes this step from our state, drawing what the step will
-            take_state(model, opt, ref[1], ref[3])
-            with drawing_again():
-                eager_reference_step(ref[1], ref[2], ref[3], whole, replicas, clip, autocast)
-        dist.barrier()  # every rank starts the step together
+
+class _Planner:
+    """One planner's training: its plan placed (`parallelize_distributed`, timed: `setup_s`) on its own copy
+    of the workload, its steps timed on every rank and checked against the eager step on rank 0."""
+
+    def __init__(self, args: argparse.Namespace, planner: str, make: Callable[[], tuple],
+                 loader: torch.utils.data.DataLoader | None, cl) -> None:
+        from .runtime.distributed import parallelize_distributed, rank_device
+        from .runtime.trial import TRIAL_STEPS
+
+        self.args, self.planner, self.rank = args, planner, dist.get_rank()
+        self.clip, self.autocast = args.clip_grad_norm, dtype_of(args.precision)
+        _, self.model, loss_fn, self.opt, inputs = make()
+        strategy = Strategy.load(args.strategy) if args.strategy else None
         t0 = time.perf_counter()
-        with _fault(rank, i):  # the others are in the step, waiting for this rank
-            step(*mine)  # on a GPU it ends once the GPU is done
-        times.append(time.perf_counter() - t0)
-        if check:  # rank 0's model is read: it gets what the other ranks keep
-            step.sync()
-        tuned += step.tuner is not None and step.tuner.active
-        if ref is not None:
-            step_diffs.append(max_param_rel_diff(ref[1], model))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, times)
-    times = [max(ts) for ts in zip(*everyone)]  # a step ends when its slowest rank's does
-    measured = statistics.median(times[tuned + 1:] or times[-max(1, len(times) // 2):])
-    row = {"planner": planner, "measured_iteration_s": measured, "simulated_iteration_s": step.simulated_s,
-           "error": (step.simulated_s - measured) / measured, "replicas": step.strategy.replicas,
-           "splits": len(step.strategy.splits), "setup_s": setup_s, "joins_s": step.joins_s(),
-           "whole_batch": step.one_process,  # the last step's: every rank read the whole batch
-           "trial": step.trial._asdict() if step.trial else None,
-           "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
-    if step_diffs:
-        row["max_step_rel_diff"] = row["max_param_rel_diff"] = max(step_diffs)
-        row["not_compared"] = not_compared(step.graph.fx.gm, len(set(step.strategy.placement.values())),
-                                           step.strategy.replicas)
-    return row
+        self.step = step = parallelize_distributed(
+            self.model, loss_fn, self.opt, inputs, planner, strategy=strategy, cl=cl, timeout_s=args.timeout,
+            trial_steps=TRIAL_STEPS if args.trial else 0, tune=args.tune and planner == "fastt",
+            clip_grad_norm=self.clip, autocast=self.autocast, whole_batches=True)
+        self.setup_s = time.perf_counter() - t0
+        if args.save_plans and self.rank == 0:
+            os.makedirs(args.save_plans, exist_ok=True)
+            step.strategy.save(os.path.join(args.save_plans, f"{planner}.json"))
+        self.check = args.check or args.check_steps
+        self.ref = make() if self.check and self.rank == 0 else None
+        self.times: list[float] = []
+        self.diffs: list[float] = []
+        self.tuned = 0
+        if loader is not None:  # one process: rank 0 reads the whole batch, as plain PyTorch does
+            loader.batch_sampler.whole = lambda: step.one_process
+        self.batches = batches(args.steps, inputs, loader, rank_device(), self.check,
+                               lambda: step.one_process)
+
+    def block(self, lo: int, hi: int) -> None:
+        """Steps lo..hi-1."""
+        from .runtime.reference import drawing_again, eager_reference_step, max_param_rel_diff, take_state
+
+        step, ref = self.step, self.ref
+        for i in range(lo, hi):
+            mine, whole = next(self.batches)
+            if ref is not None:  # the reference takes this step from our state, drawing what the step will
+                take_state(self.model, self.opt, ref[1], ref[3])
+                with drawing_again():
+                    eager_reference_step(ref[1], ref[2], ref[3], whole, step.strategy.replicas, self.clip,
+                                         self.autocast)
+            dist.barrier()  # every rank starts the step together
+            t0 = time.perf_counter()
+            with _fault(self.rank, i):  # the others are in the step, waiting for this rank
+                step(*mine)  # on a GPU it ends once the GPU is done
+            self.times.append(time.perf_counter() - t0)
+            if self.check:  # rank 0's model is read: it gets what the other ranks keep
+                step.sync()
+            self.tuned += step.tuner is not None and step.tuner.active
+            if ref is not None:
+                self.diffs.append(max_param_rel_diff(ref[1], self.model))
+
+    def result(self, block: int) -> dict:
+        """This planner's row (a collective: every rank's times are gathered, the slowest rank's counting)."""
+        from .runtime.reference import not_compared
+
+        step = self.step
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.times)
+        times = [max(ts) for ts in zip(*everyone)]  # a step ends when its slowest rank's does
+        counted = _counted(times, self.tuned + 1, block)
+        measured = statistics.median(times[k] for k in counted)
+        row = {"planner": self.planner, "measured_iteration_s": measured, "counted_steps": counted,
+               "simulated_iteration_s": step.simulated_s, "error": (step.simulated_s - measured) / measured,
+               "replicas": step.strategy.replicas, "splits": len(step.strategy.splits),
+               "setup_s": self.setup_s, "joins_s": step.joins_s(),
+               "whole_batch": step.one_process,  # the last step's: every rank read the whole batch
+               "trial": step.trial._asdict() if step.trial else None,
+               "tuning": [vars(r) for r in step.tuner.rounds] if step.tuner is not None else None}
+        if self.diffs:
+            row["max_step_rel_diff"] = row["max_param_rel_diff"] = max(self.diffs)
+            row["not_compared"] = not_compared(step.graph.fx.gm, len(set(step.strategy.placement.values())),
+                                               step.strategy.replicas)
+        return row
 
 
-def _eager_time(model, loss_fn, opt, inputs, steps: int, clip_grad_norm: float | None,
-                autocast: torch.dtype | None) -> float:
-    """Rank 0's median eager step time (after the first); the other ranks wait."""
-    from .runtime.distributed import alone_on_rank0
-    from .runtime.reference import batch_like, eager_step
-    from .runtime.trial import timed
+class _Eager:
+    """Plain PyTorch in one process: rank 0's eager steps, the other ranks waiting (the one-process
+    baseline)."""
 
-    def run() -> float:
-        times = []
-        for i in range(steps):
-            b = tuple(x.to(inputs[0].device) for x in batch_like(inputs, i))
-            times.append(timed(eager_step, model, loss_fn, opt, b, clip_grad_norm, autocast))
-        return statistics.median(times[1:] or times)
+    def __init__(self, args: argparse.Namespace, make: Callable[[], tuple]) -> None:
+        _, self.model, self.loss_fn, self.opt, self.inputs = make()
+        self.clip, self.autocast = args.clip_grad_norm, dtype_of(args.precision)
+        self.times: list[float] = []
 
-    time_s = alone_on_rank0(run)
-    dist.barrier()
-    return time_s or 0.0
+    def block(self, lo: int, hi: int) -> None:
+        """Steps lo..hi-1 on rank 0."""
+        from .runtime.distributed import alone_on_rank0
+        from .runtime.reference import batch_like, eager_step
+        from .runtime.trial import timed
+
+        def run() -> list[float]:
+            batches = [tuple(x.to(self.inputs[0].device) for x in batch_like(self.inputs, i))
+                       for i in range(lo, hi)]
+            return [timed(eager_step, self.model, self.loss_fn, self.opt, b, self.clip, self.autocast)
+                    for b in batches]
+
+        self.times += alone_on_rank0(run) or []
+        dist.barrier()
+
+    def result(self, block: int) -> dict:
+        """The baseline's row: rank 0's median (0 on the other ranks)."""
+        counted = _counted(self.times, 1, block) if self.times else []
+        return {"planner": "eager", "counted_steps": counted,
+                "measured_iteration_s": statistics.median(self.times[k] for k in counted) if counted else 0.0,
+                "simulated_iteration_s": None, "error": None}
 
 
 def positive_int(text: str) -> int:
@@ -349,7 +392,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="test", choices=["test", "paper"])
     p.add_argument("--batch", type=positive_int, default=None)
     p.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help="default sgd")
-    p.add_argument("--planners", default="fastt,dp", help="comma-separated planners, run one after another")
+    p.add_argument("--planners", default="fastt,dp",
+                   help="comma-separated planners, their steps taken in turn, a few at a time")
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--check", action="store_true",
                    help="rank 0 also takes every step in plain one-device eager PyTorch from the same state "

@@ -160,8 +160,11 @@ def format_run(out: dict) -> str:
     the time `parallelize` took (setup), and which plan the `fastt` planner's trial against data parallelism
     kept."""
     over = f" over a loopback capped at {out['network']}" if out.get("network") else ""
-    lines = [(f"{out['model']} trained for real on {out['devices']}{over}, {out['steps']} steps "
-             "(median step time after the first)")]
+    from .runtime.bench import BLOCK
+
+    lines = [(f"{out['model']} trained for real on {out['devices']}{over}, {out['steps']} steps, the "
+              f"planners' in turn, {BLOCK} at a time (median step time after the first, less the first of "
+              "each later block)")]
     for r in out["results"]:
         simulated = r["simulated_iteration_s"]
         sim = f"{simulated * 1e3:9.1f}" if simulated is not None else "        -"
@@ -179,18 +182,16 @@ def format_run(out: dict) -> str:
                          f"allreduce means computed {means} (simulated on links: "
                          f"{r['simulated_allreduce_s'] * 1e3:.1f})")
     # the one-device rival: locally a worker device with every core; under torchrun rank 0's device alone
-    ranks = out.get("launcher") == "torchrun"
-    one = "one process" if ranks else "one device on every core"
-    shards = ", each rank on its shard" if ranks else ""
+    one = "one process" if out.get("launcher") == "torchrun" else "one device on every core"
+    whole = "; one process read the whole batch on every rank: no rows sent"
     for r in out["results"]:
         if t := r.get("trial"):
             rivals = [f"{name} {t[k] * 1e3:.1f} ms" for name, k in (("dp", "dp_s"), (one, "one_device_s"))
                       if t.get(k) is not None]
             kept = one if t["kept"] == "single" else t["kept"]
-            whole = " (then every rank read the whole batch: no rows sent)" if r.get("whole_batch") else ""
             lines.append(f"  trial: {r['planner']}'s plan {t['fastt_plan_s'] * 1e3:.1f} ms, "
-                         f"{', '.join(rivals)} a step ({t['steps']} steps each{shards}): kept {kept} "
-                         f"(its setup time includes the trial){whole}")
+                         f"{', '.join(rivals)} a step ({t['steps']} steps each): kept {kept} "
+                         f"(its setup time includes the trial{whole if r.get('whole_batch') else ''})")
     tuned = [r for r in out["results"] if r.get("tuning")]
     if tuned:
         runs = len(tuned[0]["tuning"])

@@ -35,7 +35,8 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
                             tune: bool | Tuner = False,
                             clip_grad_norm: float | None = None,
                             autocast: torch.dtype | None = None,
-                            grad_scaler: torch.amp.GradScaler | None = None) -> DistributedStep:
+                            grad_scaler: torch.amp.GradScaler | None = None,
+                            whole_batches: bool = False) -> DistributedStep:
     """`parallelize` over an initialized process group, one device per rank (gloo: the CPU; NCCL: the rank's
     current GPU, where the model and inputs must be): every rank calls it with the same model, optimizer and
     inputs. Every rank captures the step and measures its op times (at once, so they include what the ranks
@@ -50,7 +51,9 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
     configured `Tuner`) instead starts from data parallelism when it fits and runs FastT's tuning loop in the
     first steps of training, as the local runtime does (`fastt.runtime.tune`); rank 0's tuner decides and
     logs. `autocast`: the forward runs under `torch.autocast` in that dtype, and an enabled `grad_scaler` is
-    refused, as `parallelize`'s."""
+    refused, as `parallelize`'s. `whole_batches`: the training loop passes every rank the whole batch while
+    the plan is one process (`DistributedStep.one_process`), as `fastt run`'s does, so the trial races one
+    process on the whole batch too (no rows travel); else on the ranks' shards."""
     check_scaler(grad_scaler)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -89,8 +92,11 @@ def parallelize_distributed(model: torch.nn.Module, loss_fn, optimizer: torch.op
         one = (None if world < 2 else  # fastt's own one-device plan too: the eager step may run it faster
                lambda: _placed_step(model, optimizer, graph, single_device(graph, cl), cl, costs, timeout_s,
                                     host=host, eager=eager))
+        def clock(s: DistributedStep, *batch: torch.Tensor) -> float:  # as the training loop feeds it
+            return _between_barriers(s, *(example_inputs if whole_batches and s.one_process else batch))
+
         with racing(optimizer):  # every rank's own state is put back after, the same on every rank
-            step = raced(step, rival, mine, trial_steps, _between_barriers, _rank0s, alone=one)
+            step = raced(step, rival, mine, trial_steps, clock, _rank0s, alone=one)
     return step
 
 
