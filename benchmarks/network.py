@@ -141,6 +141,15 @@ def render(data: dict) -> str:
 
 # Why targets may be missed, and what would reach them: the model's known gaps, not one run's numbers.
 WHY = ["## Where the simulator and the runtime part", "",
+       "- The machine: the run of 2026-12-08 ran on a host about 4x slower at compute than the one of",
+       "  2026-12-07, the links alike (plain eager a step on rank 0: vgg19 314.4 ms against 77.1, resnet50",
+       "  152.6 against 43.0, dlrm 13.2 against 3.7). DP's allreduce is then a smaller share of its step: DP",
+       "  over fastt at 1gbit went from 2.06x to 1.08x on vgg19 and from 10.6x to 4.3x on dlrm, and the",
+       "  median |error| from 8% to 15%, with the same plans' rows varying more from run to run (dlrm's DP",
+       "  at 10gbit 56.7 ms, as slow as at 1gbit, 55.9, where the run before measured 30.1 against 55.3).",
+       "- The trial races fastt's plan against DP and one process, not against the experts' plans: on vgg19",
+       "  at 1gbit in the 2026-12-08 run fastt's own plan ran 336 ms a step in the trial and one process (kept)",
+       "  325, where owt then measured 285 and pipeline 293.",
        "- A rank's simulated step includes what the step does around the plan's ops and messages: the rows",
        "  of the batch that travel (on the fitted link), the ranks' agreement on the shards (measured once per",
        "  run: 0.26-0.34 ms at 1gbit, where the link's fitted latency is 0.05-0.08 ms) and a dry run of the",
