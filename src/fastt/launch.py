@@ -106,12 +106,13 @@ def batches(steps: int, inputs: Sequence[torch.Tensor], loader: torch.utils.data
             mine = b if one_process() else shard_of(b, dist.get_rank(), dist.get_world_size())
             yield mine, b if whole else None
         return
+    loader.batch_sampler.whole = one_process  # the sampler reads it as each batch is drawn
     step, epoch = 0, 0
     while step < steps:
         loader.batch_sampler.set_epoch(epoch)
-        for b in loader:  # the sampler reads `one_process` as each batch is drawn
+        for b in loader:
             mine = [x.to(device) for x in b]
-            yield mine, (mine if loader.batch_sampler.whole() else whole_batch(mine)) if whole else None
+            yield mine, (mine if one_process() else whole_batch(mine)) if whole else None
             step += 1
             if step == steps:
                 return
@@ -161,7 +162,7 @@ def _dataset(spec: str) -> torch.utils.data.Dataset:
 def _loader(data: torch.utils.data.Dataset, spec: str, batch: int, rank: int,
             world: int) -> torch.utils.data.DataLoader:
     """Rank `rank`'s DataLoader of `data` (`--data spec`): its shard of every batch of `batch` samples, or the
-    whole batch while its sampler's `whole()` (`_Batches`; the training loop sets it)."""
+    whole batch while its sampler's `whole()` (`_Batches`; `batches` sets it)."""
     from torch.utils.data import DataLoader
 
     if batch % world:
@@ -203,7 +204,7 @@ def train(args: argparse.Namespace) -> dict | None:
     for start in range(0, args.steps, BLOCK):
         for run in runs:
             run.block(start, min(start + BLOCK, args.steps))
-    results = [run.result(BLOCK) for run in runs]
+    results = [run.result() for run in runs]
     worst = max([r.get("max_step_rel_diff", 0.0) for r in results if not r.get("not_compared")], default=0.0)
     if rank != 0:
         return None
@@ -221,13 +222,6 @@ def train(args: argparse.Namespace) -> dict | None:
                              for r in results if r.get("not_compared")},
             "clip_grad_norm": clip,
             "precision": args.precision}
-
-
-def _counted(times: Sequence[float], first: int, block: int) -> list[int]:
-    """The steps whose times count: from `first` on, less the first of each later block (its caches another
-    planner's steps left), else the last half."""
-    counted = [k for k in range(len(times)) if k >= first and k % block]
-    return counted or list(range(len(times)))[-max(1, len(times) // 2):]
 
 
 class _Planner:
@@ -257,8 +251,6 @@ class _Planner:
         self.times: list[float] = []
         self.diffs: list[float] = []
         self.tuned = 0
-        if loader is not None:  # one process: rank 0 reads the whole batch, as plain PyTorch does
-            loader.batch_sampler.whole = lambda: step.one_process
         self.batches = batches(args.steps, inputs, loader, rank_device(), self.check,
                                lambda: step.one_process)
 
@@ -285,15 +277,16 @@ class _Planner:
             if ref is not None:
                 self.diffs.append(max_param_rel_diff(ref[1], self.model))
 
-    def result(self, block: int) -> dict:
+    def result(self) -> dict:
         """This planner's row (a collective: every rank's times are gathered, the slowest rank's counting)."""
+        from .runtime.bench import counted_steps
         from .runtime.reference import not_compared
 
         step = self.step
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.times)
         times = [max(ts) for ts in zip(*everyone)]  # a step ends when its slowest rank's does
-        counted = _counted(times, self.tuned + 1, block)
+        counted = counted_steps(len(times), self.tuned + 1)
         measured = statistics.median(times[k] for k in counted)
         row = {"planner": self.planner, "measured_iteration_s": measured, "counted_steps": counted,
                "simulated_iteration_s": step.simulated_s, "error": (step.simulated_s - measured) / measured,
@@ -333,9 +326,11 @@ class _Eager:
         self.times += alone_on_rank0(run) or []
         dist.barrier()
 
-    def result(self, block: int) -> dict:
+    def result(self) -> dict:
         """The baseline's row: rank 0's median (0 on the other ranks)."""
-        counted = _counted(self.times, 1, block) if self.times else []
+        from .runtime.bench import counted_steps
+
+        counted = counted_steps(len(self.times), 1) if self.times else []
         return {"planner": "eager", "counted_steps": counted,
                 "measured_iteration_s": statistics.median(self.times[k] for k in counted) if counted else 0.0,
                 "simulated_iteration_s": None, "error": None}

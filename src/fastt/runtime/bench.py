@@ -146,12 +146,7 @@ class _Run:
         """The planner's row: its measured median after the first step (after tuning, with a tuner), beside
         the simulated time."""
         step, times = self.step, self.times
-
-        def after(first: int) -> list[int]:  # the steps from `first` on, less the first of each later block
-            counted = [k for k in range(len(times)) if k >= first and k % BLOCK]
-            return counted or list(range(len(times)))[-max(1, len(times) // 2):]
-
-        counted = after(1 if step is None else self.tuned + 1)
+        counted = counted_steps(len(times), 1 if step is None else self.tuned + 1)
         measured = statistics.median(times[k] for k in counted)
         if step is None:
             return {"planner": "eager", "measured_iteration_s": measured, "counted_steps": counted,
@@ -165,6 +160,13 @@ class _Run:
                 "splits": len(step.strategy.splits), "setup_s": self.setup_s,
                 "trial": step.trial._asdict() if step.trial else None,
                 "tuning": [vars(r) for r in tuner.rounds] if tuner is not None else None}
+
+
+def counted_steps(steps: int, first: int) -> list[int]:
+    """The steps of a planner's run in turn with others (BLOCK at a time) whose times count: from `first` on,
+    less the first of each later block (its caches another planner's steps left), else the last half."""
+    counted = [k for k in range(steps) if k >= first and k % BLOCK]
+    return counted or list(range(steps))[-max(1, steps // 2):]
 
 
 def simulated_busy(step: ParallelStep) -> dict:
